@@ -1,0 +1,104 @@
+"""DQN with prioritized replay and a target network.
+
+Mnih et al. (2015) with the prioritized replay of Schaul et al. (2016). The runtime owns
+collection, replay, DDP and logging; this file owns what is specific to DQN: the Q network,
+epsilon-greedy exploration, the loss and the target network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictSequential
+from torch import nn
+from torchrl.envs import EnvBase
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.objectives import DQNLoss, HardUpdate
+
+
+@dataclass
+class Config:
+    """DQN hyperparameters. Frame counts are summed over all learner ranks."""
+
+    hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
+    lr: float = 2.3e-3
+    gamma: float = 0.99
+    batch_size: int = 64
+    # Gradient updates after each collector batch; with 256 frames per batch this is
+    # the SB3 zoo's ratio of one update per two frames (per learner).
+    updates_per_batch: int = 128
+    learning_starts: int = 1000
+    eps_init: float = 1.0
+    eps_end: float = 0.04
+    eps_frames: int = 16_000
+    target_update_period: int = 10
+    double_dqn: bool = False
+
+
+class Agent(nn.Module):
+    """Everything DQN learns, plus the policies built from it.
+
+    The runtime wraps this module in DDP, so ``forward`` computes the loss: DDP
+    all-reduces the gradients of every parameter registered here.
+    """
+
+    uses_replay = True
+    batch_keys = (
+        "observation",
+        "action",
+        ("next", "observation"),
+        ("next", "reward"),
+        ("next", "done"),
+        ("next", "terminated"),
+    )
+    priority_key = "td_error"
+
+    def __init__(self, cfg: Config, env: EnvBase) -> None:
+        super().__init__()
+        self.cfg = cfg
+        action_spec = env.action_spec
+        q_network = MLP(
+            in_features=env.observation_spec["observation"].shape[-1],
+            out_features=action_spec.shape[-1],
+            num_cells=list(cfg.hidden_sizes),
+            activation_class=nn.ReLU,
+        )
+        self.actor = QValueActor(q_network, in_keys=["observation"], spec=action_spec)
+        self.exploration = EGreedyModule(
+            action_spec,
+            eps_init=cfg.eps_init,
+            eps_end=cfg.eps_end,
+            annealing_num_steps=cfg.eps_frames,
+        )
+        self.loss_module = DQNLoss(
+            self.actor,
+            delay_value=True,
+            double_dqn=cfg.double_dqn,
+            action_space=action_spec,
+        )
+        self.loss_module.make_value_estimator(gamma=cfg.gamma)
+        self.target_updater = HardUpdate(
+            self.loss_module, value_network_update_interval=cfg.target_update_period
+        )
+
+    @property
+    def policy(self) -> TensorDictSequential:
+        """The collector's policy: greedy actions with epsilon-random exploration."""
+        return TensorDictSequential(self.actor, self.exploration)
+
+    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on a sampled batch. DQNLoss writes ``td_error`` into ``batch`` in place."""
+        loss = self.loss_module(batch)["loss"]
+        return loss, {"loss": loss.detach(), "epsilon": self.exploration.eps.detach()}
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+
+    def after_collect(self, frames: int) -> None:
+        """Anneal epsilon by the frames all learners collected in this step."""
+        self.exploration.step(frames)
+
+    def after_update(self) -> None:
+        self.target_updater.step()

@@ -1,0 +1,79 @@
+"""Learning benchmark: does the recipe reach its target return, in how many frames and seconds?
+
+    python benchmarks/learning.py                      # dqn, CartPole-v1, 3 ranks, seeds 1 2 3
+    python benchmarks/learning.py --seeds 1 --frames 50000 algo.lr=1e-3
+
+Each seed is one `fabric run` on CPU. The run evaluates the greedy policy every
+``--eval-every`` frames; "reached" is the first evaluation at or above ``--target``.
+Prints a table and, last, one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def run_seed(args: argparse.Namespace, seed: int) -> dict:
+    run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{args.env}-seed{seed}"
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
+    command = [
+        fabric, "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", str(args.devices),
+        "train.py", f"recipe={args.recipe}", f"env.id={args.env}", f"total_frames={args.frames}",
+        f"seed={seed}", f"eval.every={args.eval_every}", f"run_dir={run_dir}", *args.overrides,
+    ]
+    result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, env={**os.environ})
+    if result.returncode != 0:
+        sys.exit(f"error: seed {seed} failed:\n{result.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    reached = next((row for row in summary["eval_history"] if row["eval_return"] >= args.target), None)
+    return {
+        "seed": seed,
+        "reached": reached is not None,
+        "frames_to_target": reached["frames"] if reached else None,
+        "wall_s_to_target": round(reached["wall_s"], 1) if reached else None,
+        "final_eval_return": summary["eval_return"],
+        "frames": summary["frames_collected"],
+        "wall_s": round(summary["wall_s"], 1),
+        "updates_per_s": round(summary["updates_per_s"], 1),
+        "command": " ".join(command[1:]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="dqn")
+    parser.add_argument("--env", default="CartPole-v1")
+    parser.add_argument("--frames", type=int, default=100_000)
+    parser.add_argument("--target", type=float, default=475.0)
+    parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--eval-every", type=int, default=5_000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    args = parser.parse_args()
+
+    rows = []
+    print(f"{'seed':>4} {'reached':>7} {'frames to target':>16} {'s to target':>11} {'final return':>12} {'wall s':>7}")
+    for seed in args.seeds:
+        row = run_seed(args, seed)
+        rows.append(row)
+        print(
+            f"{row['seed']:>4} {str(row['reached']):>7} {str(row['frames_to_target']):>16} "
+            f"{str(row['wall_s_to_target']):>11} {row['final_eval_return']:>12.1f} {row['wall_s']:>7}",
+            flush=True,
+        )
+    print(json.dumps({
+        "benchmark": "learning", "recipe": args.recipe, "env": args.env, "target": args.target,
+        "frames_budget": args.frames, "all_reached": all(row["reached"] for row in rows), "seeds": rows,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Shared helpers: run train.py the way a user would and read what it left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT = Path(__file__).resolve().parents[1]
+# Tiny settings: enough steps to exercise collection, replay, updates and evaluation.
+TINY = [
+    "total_frames=3072",
+    "algo.learning_starts=1024",
+    "algo.updates_per_batch=4",
+    "algo.hidden_sizes=[32,32]",
+    "log_every=1024",
+    "eval.every=2048",
+    "eval.episodes=10",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_command(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``fabric run`` on CPU with gloo, on free ports (c10d on one, RPC on the next)."""
+    port = free_port()
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
+    command = [
+        fabric, "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", str(devices),
+        "--main-port", str(port), "train.py", f"rpc.port={free_port()}", *overrides,
+    ]
+    return run_command(command, timeout)
+
+
+def read_summary(result: subprocess.CompletedProcess) -> dict:
+    """The summary named by the run's last printed line."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("summary: "), last_line
+    return json.loads(Path(last_line.removeprefix("summary: ")).read_text())
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    return list(TINY)

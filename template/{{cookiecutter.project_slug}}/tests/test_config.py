@@ -1,0 +1,68 @@
+"""Configuration: overrides reach every key, bad input is one clear line and exit code 2."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.topology import Topology
+
+from .conftest import PROJECT
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("train", PROJECT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train = load_train_module()
+
+
+def test_overrides_reach_nested_and_recipe_keys():
+    cfg = config.load(["env.num_envs=4", "algo.lr=0.01", "replay.capacity=500", "seed=3"], train.DEFAULTS)
+    assert (cfg.env.num_envs, cfg.algo.lr, cfg.replay.capacity, cfg.seed) == (4, 0.01, 500, 3)
+    assert cfg.run_dir == "runs/dqn-CartPole-v1-seed3"
+
+
+def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
+    assert train.main(["--print-config", "total_frames=123", f"run_dir={tmp_path}/run"]) == 0
+    out = capsys.readouterr().out
+    assert "total_frames: 123" in out and "lr:" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["env.id=NoSuchEnv-v0"], "unknown env id 'NoSuchEnv-v0'"),
+        (["recipe=nosuch"], "unknown recipe 'nosuch'"),
+        (["no_such_key=1"], "unknown config key 'no_such_key'"),
+        (["algo.no_such_key=1"], "unknown config key 'algo.no_such_key'"),
+        (["total_frames=0"], "total_frames must be > 0"),
+        (["total_frames=-5"], "total_frames must be > 0"),
+        (["total_frames=lots"], "total_frames: Value 'lots'"),
+        (["fabric.devices=2", "replay.ranks=2"], "leaves no learner rank"),
+        (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
+        (["replay.capacity=10"], "exceeds replay.capacity"),
+        (["total_frames"], "expected key=value"),
+    ],
+)
+def test_bad_input_is_one_error_line(capsys, argv, message):
+    assert train.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def test_topology_puts_replay_first_and_learners_after():
+    plan = Topology.plan(world_size=3, rank=0, replay_ranks=1, uses_replay=True)
+    assert plan.roles == {"0": "replay", "1": "learner", "2": "learner"}
+    assert plan.learner_ranks == (1, 2) and plan.role == "replay"
+    single = Topology.plan(world_size=1, rank=0, replay_ranks=1, uses_replay=True)
+    assert single.roles == {"0": "learner"} and single.shard_ranks == (0,)

@@ -1,0 +1,43 @@
+"""The DQN recipe's wiring on a tiny batch, without any distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from {{ cookiecutter.package_name }}.collector import make_collector, make_env
+from {{ cookiecutter.package_name }}.recipes import dqn
+from {{ cookiecutter.package_name }}.replay import ReplayShard
+
+
+def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
+    torch.manual_seed(0)
+    env = make_env("CartPole-v1", num_envs=4, seed=0)
+    agent = dqn.Agent(dqn.Config(hidden_sizes=[16], batch_size=16), env)
+    collector = make_collector(env, agent.policy, frames_per_batch=64, total_frames=64, device=torch.device("cpu"))
+    frames = next(iter(collector)).reshape(-1)
+    collector.shutdown()
+    assert frames.batch_size == torch.Size([64])
+
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4, batch_size=16, priority_key=agent.priority_key)
+    shard.extend(frames.select(*agent.batch_keys))
+    batch = shard.sample()
+    loss, metrics = agent(batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert batch[agent.priority_key].numel() == 16
+
+    probe = frames[:4].select("observation")  # one row per env copy, as the policy expects
+    before = agent.policy(probe.clone())["action_value"].detach()
+    optimizer = agent.make_optimizer()
+    loss.backward()
+    optimizer.step()
+    after = agent.policy(probe.clone())["action_value"].detach()
+    assert not torch.allclose(before, after), "the collector's policy must share the trained weights"
+
+
+def test_epsilon_anneals_by_frames():
+    env = make_env("CartPole-v1", num_envs=2, seed=0)
+    agent = dqn.Agent(dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=100), env)
+    agent.after_collect(50)
+    assert abs(agent.exploration.eps.item() - 0.55) < 1e-5
+    agent.after_collect(1000)
+    assert abs(agent.exploration.eps.item() - 0.1) < 1e-6

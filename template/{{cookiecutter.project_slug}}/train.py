@@ -1,0 +1,127 @@
+"""Train an agent: Lightning Fabric starts the ranks, then each rank plays its role.
+
+    python train.py recipe=dqn                     # one process, in-process replay buffer
+    python train.py fabric.devices=3 recipe=dqn    # Fabric starts 3 ranks itself
+    fabric run --accelerator cpu --strategy ddp --devices 3 train.py recipe=dqn
+    python train.py --print-config env.id=Acrobot-v1   # show the resolved config and stop
+
+With several ranks, the first ``replay.ranks`` ranks host the prioritized replay buffer and
+the others are learners (see topology.py). Rank 0 writes the run's records into run_dir.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from {{ cookiecutter.package_name }} import config, learner, recipes, topology
+from {{ cookiecutter.package_name }}.recorder import Recorder
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+
+DEFAULTS = Path(__file__).with_name("config.yaml")
+USAGE = "usage: python train.py [--print-config] [key=value ...]   (keys: see config.yaml)"
+
+
+def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(USAGE)
+        return 0
+    overrides = [arg for arg in argv if arg != "--print-config"]
+    try:
+        cfg = config.load(overrides, DEFAULTS)
+        recipe = recipes.load(cfg.recipe)
+        world_size = config.expected_world_size(cfg)
+        if world_size:
+            topology.Topology.plan(world_size, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
+    except config.ConfigError as error:
+        # Under `fabric run` every rank checks the same config: one of them says so.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    if "--print-config" in argv:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+
+    topology.bind_to_loopback_unless_named(cfg.rpc.address)
+    fabric = Fabric(**fabric_arguments(cfg), loggers=CSVLogger(cfg.run_dir, name="", version=""))
+    if os.environ.get("LT_CLI_USED") == "1":
+        run(fabric, cfg, recipe)  # `fabric run` already started the ranks; Fabric forbids launch()
+    else:
+        fabric.launch(run, cfg, recipe)
+    return 0
+
+
+def fabric_arguments(cfg: DictConfig) -> dict:
+    """Fabric's settings; values that `fabric run` or torchrun already chose win."""
+    devices, num_nodes = cfg.fabric.devices, cfg.fabric.num_nodes
+    if devices is None:
+        if "LT_DEVICES" in os.environ:
+            devices = "auto"  # let `fabric run --devices` decide
+        elif "LOCAL_WORLD_SIZE" in os.environ:  # torchrun without Fabric's CLI
+            devices = int(os.environ["LOCAL_WORLD_SIZE"])
+            num_nodes = int(os.environ["WORLD_SIZE"]) // devices
+        else:
+            devices = 1
+    return {
+        "accelerator": cfg.fabric.accelerator,
+        "strategy": cfg.fabric.strategy,
+        "devices": devices,
+        "num_nodes": num_nodes,
+    }
+
+
+def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
+    plan = topology.Topology.plan(
+        fabric.world_size, fabric.global_rank, cfg.replay.ranks, recipe.Agent.uses_replay
+    )
+    torch.set_num_threads(cfg.threads or threads_per_rank(fabric))
+
+    # Objects served over RPC exist before the RPC world opens, so no call can miss them.
+    if plan.rank == 0:
+        topology.host("recorder", Recorder(fabric, cfg, plan))
+    if plan.rank in plan.shard_ranks:
+        topology.host(
+            "replay",
+            ReplayShard(
+                cfg.replay.capacity,
+                cfg.replay.alpha,
+                cfg.replay.beta,
+                cfg.algo.batch_size,
+                recipe.Agent.priority_key,
+            ),
+        )
+    learner_group = topology.connect(plan, cfg.rpc.address, cfg.rpc.port, cfg.rpc.timeout)
+
+    if plan.role == topology.LEARNER:
+        replay = ReplayClient(topology.handle(plan, plan.shard_ranks[0], "replay"))
+        recorder = topology.handle(plan, 0, "recorder")
+        stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group)
+        recorder.rpc_sync().finish(plan.rank, stats)
+
+    summary = None
+    if plan.rank == 0:
+        records = topology.hosted("recorder")
+        records.wait_for_learners()
+        shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
+        summary = records.write_summary(shards)
+    topology.disconnect(plan)
+    if summary is not None:
+        print(f"summary: {summary}")
+
+
+def threads_per_rank(fabric: Fabric) -> int:
+    """Split this node's cores between its ranks: each rank defaulting to all of them
+    oversubscribes the CPU."""
+    ranks_here = getattr(fabric.strategy, "num_processes", 1)
+    return max(1, (os.cpu_count() or 1) // ranks_here)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+"""The run configuration: typed schema, defaults from ``config.yaml``, key=value overrides.
+
+OmegaConf checks names and types against the dataclasses below, so a misspelt key or a
+value of the wrong type is refused before any rank starts. The recipe's hyperparameters
+(its ``Config`` dataclass) are mounted under ``algo``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import gymnasium as gym
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from . import recipes
+
+
+class ConfigError(ValueError):
+    """A problem with the user's configuration, reported as one line."""
+
+
+@dataclass
+class EnvConfig:
+    id: str = MISSING
+    num_envs: int = MISSING
+
+
+@dataclass
+class CollectorConfig:
+    frames_per_batch: int = MISSING
+
+
+@dataclass
+class ReplayConfig:
+    ranks: int = MISSING
+    capacity: int = MISSING
+    alpha: float = MISSING
+    beta: float = MISSING
+
+
+@dataclass
+class EvalConfig:
+    episodes: int = MISSING
+    every: int = MISSING
+
+
+@dataclass
+class FabricConfig:
+    accelerator: str = MISSING
+    strategy: str = MISSING
+    devices: Optional[int] = None
+    num_nodes: int = MISSING
+
+
+@dataclass
+class RpcConfig:
+    address: Optional[str] = None
+    port: Optional[int] = None
+    timeout: float = MISSING
+
+
+@dataclass
+class RunConfig:
+    recipe: str = MISSING
+    seed: int = MISSING
+    total_frames: int = MISSING
+    run_dir: str = MISSING
+    threads: Optional[int] = None
+    log_every: int = MISSING
+    env: EnvConfig = field(default_factory=EnvConfig)
+    collector: CollectorConfig = field(default_factory=CollectorConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    fabric: FabricConfig = field(default_factory=FabricConfig)
+    rpc: RpcConfig = field(default_factory=RpcConfig)
+    algo: Any = None
+
+
+def load(overrides: list[str], defaults: Path) -> DictConfig:
+    """Resolve ``defaults`` (a YAML file) plus ``key=value`` overrides into a checked config."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r}")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(defaults))
+        cli = OmegaConf.from_dotlist(overrides)
+        recipe_name = cli.get("recipe", cfg.recipe)
+        try:
+            recipe = recipes.load(recipe_name)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        cfg.algo = OmegaConf.structured(recipe.Config)
+        OmegaConf.set_struct(cfg, True)
+        cfg = OmegaConf.merge(cfg, cli)
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ConfigError(f"config keys without a value: {', '.join(missing)}")
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_one_line(error)) from None
+    validate(cfg)
+    return cfg
+
+
+def _one_line(error: OmegaConfBaseException) -> str:
+    key = getattr(error, "full_key", None)
+    message = str(getattr(error, "msg", error)).splitlines()[0]
+    if type(error).__name__ == "ConfigKeyError" and key:
+        return f"unknown config key '{key}'"
+    return f"{key}: {message}" if key else message
+
+
+def validate(cfg: DictConfig) -> None:
+    """Range checks that a schema cannot express."""
+    if cfg.total_frames <= 0:
+        raise ConfigError(f"total_frames must be > 0, got {cfg.total_frames}")
+    if cfg.env.num_envs <= 0:
+        raise ConfigError(f"env.num_envs must be > 0, got {cfg.env.num_envs}")
+    if cfg.collector.frames_per_batch % cfg.env.num_envs:
+        raise ConfigError(
+            f"collector.frames_per_batch ({cfg.collector.frames_per_batch}) must be a multiple "
+            f"of env.num_envs ({cfg.env.num_envs})"
+        )
+    if cfg.replay.ranks < 0:
+        raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
+    batch_size = getattr(cfg.algo, "batch_size", 0)
+    if batch_size > cfg.replay.capacity:
+        raise ConfigError(
+            f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})"
+        )
+    if cfg.eval.episodes <= 0:
+        raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
+    if cfg.env.id not in gym.registry:
+        raise ConfigError(f"unknown env id '{cfg.env.id}' (not registered with gymnasium)")
+
+
+def expected_world_size(cfg: DictConfig) -> Optional[int]:
+    """The number of ranks, where it is known before the launcher starts them."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    devices = cfg.fabric.devices if cfg.fabric.devices is not None else os.environ.get("LT_DEVICES")
+    if devices is None:
+        return 1
+    nodes = int(os.environ.get("LT_NUM_NODES", cfg.fabric.num_nodes))
+    return int(devices) * nodes if str(devices).isdigit() else None

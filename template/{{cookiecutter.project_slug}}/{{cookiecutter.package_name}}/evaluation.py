@@ -1,0 +1,30 @@
+"""Greedy evaluation: the policy without exploration noise, on fresh environments."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import torch
+from tensordict.nn import TensorDictModuleBase
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+from .collector import make_env
+
+MAX_EPISODE_STEPS = 10_000
+
+
+def evaluate(
+    policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, device: torch.device
+) -> list[float]:
+    """Returns of ``episodes`` greedy episodes, run side by side as one batch of envs."""
+    env = make_env(env_id, episodes, seed, device)
+    max_steps = gym.spec(env_id).max_episode_steps or MAX_EPISODE_STEPS
+    try:
+        with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+            rollout = env.rollout(max_steps, policy, break_when_any_done=False)
+    finally:
+        env.close()
+    done = rollout["next", "done"].squeeze(-1)
+    returns = rollout["next", "episode_reward"].squeeze(-1)
+    # Each env's first episode ends at its first done (or is cut at max_steps).
+    last = torch.where(done.any(-1), done.float().argmax(-1), done.shape[-1] - 1)
+    return returns.gather(-1, last.unsqueeze(-1)).squeeze(-1).tolist()

@@ -1,0 +1,150 @@
+"""The learner's loop: collect, push to replay, sample, update with DDP, send priorities back.
+
+Every learner runs the same number of collector steps and the same number of updates per
+step, so the DDP all-reduces of all learners always pair up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import ModuleType
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from omegaconf import DictConfig, OmegaConf
+from torch.nn.parallel import DistributedDataParallel
+
+from .collector import make_collector, make_env
+from .evaluation import evaluate
+from .replay import ReplayClient
+from .topology import Topology
+
+
+def train(
+    fabric: Fabric,
+    cfg: DictConfig,
+    topology: Topology,
+    recipe: ModuleType,
+    replay: ReplayClient,
+    recorder: Any,
+    learner_group: Any,
+) -> dict[str, Any]:
+    learners = len(topology.learner_ranks)
+    index = topology.learner_index
+    algo = recipe.Config(**OmegaConf.to_container(cfg.algo))
+    env = make_env(cfg.env.id, cfg.env.num_envs, seed=cfg.seed + 1000 * index)
+
+    # The same seed on every learner gives identical initial weights (DDP also broadcasts
+    # them from the first learner); the environments above got their own seeds.
+    fabric.seed_everything(cfg.seed, verbose=False)
+    agent = recipe.Agent(algo, env).to(fabric.device)
+    optimizer = agent.make_optimizer()
+    model = agent
+    if learners > 1:
+        # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
+        # replay ranks hold no model. This one all-reduces over the learners only.
+        model = DistributedDataParallel(
+            agent,
+            device_ids=[fabric.device.index] if fabric.device.type == "cuda" else None,
+            process_group=learner_group,
+            forward_sync_buffers=False,
+        )
+
+    frames_per_step = cfg.collector.frames_per_batch * learners
+    steps = math.ceil(cfg.total_frames / frames_per_step)
+    collector = make_collector(
+        env, agent.policy, cfg.collector.frames_per_batch, steps * cfg.collector.frames_per_batch, fabric.device
+    )
+
+    frames = updates = 0
+    window = Window()
+    reports = []
+    started = time.monotonic()
+    for batch in collector:
+        frames += frames_per_step
+        transitions = batch.reshape(-1)
+        window.add_episodes(transitions)
+        replay.extend(transitions.select(*agent.batch_keys))
+        agent.after_collect(frames_per_step)
+
+        if frames >= algo.learning_starts:
+            if updates == 0:
+                replay.flush()  # the first sample must see this learner's own frames
+            for _ in range(algo.updates_per_batch):
+                sample = replay.sample().to(fabric.device)
+                loss, metrics = model(sample)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                agent.after_update()
+                replay.update_priority(sample.select("index", agent.priority_key).cpu())
+                window.add_metrics(metrics)
+                updates += 1
+
+        if crossed(frames, frames_per_step, cfg.log_every):
+            reports.append(recorder.rpc_async().report(frames, window.flush()))
+        if crossed(frames, frames_per_step, cfg.eval.every):
+            returns = evaluate(agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device)
+            reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
+    train_s = time.monotonic() - started
+    collector.shutdown()
+    replay.flush()
+    for report in reports:
+        report.wait()
+
+    final_returns = evaluate(agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device)
+    return {
+        "frames": steps * cfg.collector.frames_per_batch,
+        "updates": updates,
+        "train_s": train_s,
+        "param_checksum": sum(p.detach().double().sum() for p in agent.parameters()).item(),
+        "eval_returns": final_returns,
+    }
+
+
+def crossed(frames: int, step: int, every: int) -> bool:
+    """Whether ``frames`` just passed a multiple of ``every`` (the same on all learners)."""
+    return every > 0 and frames // every > (frames - step) // every
+
+
+def share(cfg: DictConfig, topology: Topology) -> int:
+    """This learner's part of the evaluation episodes (rounded up, so at least the total)."""
+    return math.ceil(cfg.eval.episodes / len(topology.learner_ranks))
+
+
+def eval_seed(cfg: DictConfig, index: int) -> int:
+    return cfg.seed + 1_000_000 + 1000 * index
+
+
+class Window:
+    """Metrics since the last report: throughput, mean losses, finished episodes' returns."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.frames = 0
+        self.sums: dict[str, float] = {}
+        self.updates = 0
+        self.returns: list[float] = []
+
+    def add_episodes(self, transitions) -> None:
+        self.frames += transitions.numel()
+        done = transitions["next", "done"].squeeze(-1)
+        self.returns += transitions["next", "episode_reward"].squeeze(-1)[done].tolist()
+
+    def add_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
+        self.updates += 1
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def flush(self) -> dict[str, float]:
+        elapsed = time.monotonic() - self.started
+        row = {
+            "frames_per_s": self.frames / elapsed,
+            "updates_per_s": self.updates / elapsed,
+            "train_return": sum(self.returns) / len(self.returns) if self.returns else math.nan,
+        }
+        row.update({key: float(total) / self.updates for key, total in self.sums.items()})
+        self.__init__()
+        return row

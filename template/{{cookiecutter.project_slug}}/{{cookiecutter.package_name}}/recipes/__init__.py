@@ -1,0 +1,31 @@
+"""Recipes: one module per algorithm, found by name (``recipe=dqn`` loads ``recipes/dqn.py``).
+
+A recipe module holds what is specific to its algorithm and imports nothing from this
+package, so it can be read, linted and tested on its own. It defines:
+
+``Config``
+    A dataclass of hyperparameters with defaults, mounted at ``algo`` in the run config.
+    Replay recipes need ``batch_size``, ``updates_per_batch`` and ``learning_starts``.
+``Agent(cfg, env)``
+    An ``nn.Module`` holding every trained parameter. The runtime wraps it in DDP, so its
+    ``forward(batch)`` returns ``(loss, metrics)`` and DDP all-reduces the gradients. It has
+    ``uses_replay``, ``batch_keys`` (the keys a replay batch needs), ``priority_key``,
+    ``policy`` (what the collector runs), ``make_optimizer()``, ``after_collect(frames)``
+    and ``after_update()``. Greedy evaluation runs ``policy`` in deterministic mode.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from types import ModuleType
+
+
+def available() -> list[str]:
+    return sorted(info.name for info in pkgutil.iter_modules(__path__) if not info.name.startswith("_"))
+
+
+def load(name: str) -> ModuleType:
+    if name not in available():
+        raise ValueError(f"unknown recipe '{name}' (available: {', '.join(available())})")
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,104 @@
+"""The run's records, kept by rank 0: resolved config, metrics, summary.json.
+
+Learners report to it over RPC (or directly, in a one-process run). Metrics reported for
+the same step by every learner are merged into one row: rates are summed over learners,
+everything else is averaged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric import Fabric
+from omegaconf import DictConfig, OmegaConf
+
+from .topology import Topology
+
+SUMMED = ("frames_per_s",)
+
+
+class Recorder:
+    def __init__(self, fabric: Fabric, cfg: DictConfig, topology: Topology) -> None:
+        self.fabric = fabric
+        self.topology = topology
+        self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, self.run_dir / "config.yaml")
+        self.started = time.monotonic()
+        self.eval_history: list[dict[str, float]] = []
+        self._pending: dict[int, list[dict[str, float]]] = {}
+        self._finished: dict[int, dict[str, Any]] = {}
+        self._all_finished = threading.Event()
+        self._lock = threading.Lock()
+
+    def report(self, step: int, metrics: dict[str, float]) -> None:
+        """One learner's metrics at ``step`` (global frames); logged once all have reported."""
+        with self._lock:
+            rows = self._pending.setdefault(step, [])
+            rows.append(metrics)
+            if len(rows) < len(self.topology.learner_ranks):
+                return
+            del self._pending[step]
+            merged = merge(rows)
+            if "eval_return" in merged:
+                self.eval_history.append(
+                    {"frames": step, "wall_s": self.elapsed(), "eval_return": merged["eval_return"]}
+                )
+            self.fabric.log_dict(merged, step=step)
+
+    def finish(self, rank: int, stats: dict[str, Any]) -> None:
+        """A learner's final statistics; the last one releases ``wait_for_learners``."""
+        with self._lock:
+            self._finished[rank] = stats
+            if len(self._finished) == len(self.topology.learner_ranks):
+                self._all_finished.set()
+
+    def wait_for_learners(self) -> None:
+        self._all_finished.wait()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def write_summary(self, shards: list[dict[str, int]]) -> Path:
+        learners = [self._finished[rank] for rank in self.topology.learner_ranks]
+        eval_returns = [r for stats in learners for r in stats["eval_returns"]]
+        frames = sum(stats["frames"] for stats in learners)
+        updates = learners[0]["updates"]
+        train_s = max(stats["train_s"] for stats in learners)
+        summary = {
+            "world_size": self.topology.world_size,
+            "roles": self.topology.roles,
+            "frames_collected": frames,
+            "replay_size": sum(shard["size"] for shard in shards),
+            "updates": updates,
+            "learner_param_checksums": {
+                str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
+            },
+            "eval_return": sum(eval_returns) / len(eval_returns),
+            "eval_episodes": len(eval_returns),
+            "eval_history": self.eval_history,
+            "frames_per_s": frames / train_s,
+            "updates_per_s": updates / train_s,
+            "train_s": train_s,
+            "wall_s": self.elapsed(),
+        }
+        for logger in self.fabric.loggers:
+            logger.finalize("success")
+        path = self.run_dir / "summary.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        return path
+
+
+def merge(rows: list[dict[str, float]]) -> dict[str, float]:
+    merged = {}
+    for key in rows[0]:
+        values = [row[key] for row in rows if not math.isnan(row[key])]
+        if not values:
+            continue
+        merged[key] = sum(values) if key in SUMMED else sum(values) / len(values)
+    return merged

@@ -1,0 +1,88 @@
+"""Prioritized replay: a shard that lives on a replay rank, and the learners' client for it.
+
+One ``TensorDictPrioritizedReplayBuffer`` owns the writer cursor and the sum tree, so every
+learner writes through it over RPC and no cursor is shared between processes (the failure
+of worker-local buffers on shared storage, where each cursor overwrites the others).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+
+
+class ReplayShard:
+    """A prioritized buffer served to learners; RPC calls arrive on several threads."""
+
+    def __init__(self, capacity: int, alpha: float, beta: float, batch_size: int, priority_key: str):
+        self.buffer = TensorDictPrioritizedReplayBuffer(
+            alpha=alpha,
+            beta=beta,
+            storage=LazyTensorStorage(capacity),
+            batch_size=batch_size,
+            priority_key=priority_key,
+        )
+        self.priority_key = priority_key
+        self.inserted = 0
+        self._lock = threading.Lock()
+
+    def extend(self, transitions: TensorDictBase) -> None:
+        with self._lock:
+            self.buffer.extend(transitions)
+            self.inserted += transitions.numel()
+
+    def sample(self) -> TensorDictBase:
+        with self._lock:
+            return self.buffer.sample()
+
+    def update_priority(self, priorities: TensorDictBase) -> None:
+        """``priorities`` holds ``index`` and the priority key of a sampled batch."""
+        with self._lock:
+            self.buffer.update_tensordict_priority(priorities)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"size": len(self.buffer), "inserted": self.inserted}
+
+
+class ReplayClient:
+    """A learner's view of the replay shard: writes are asynchronous, samples prefetched.
+
+    Futures are awaited in order (at most ``max_in_flight`` outstanding), so an error on
+    the replay rank surfaces on the learner at the next call instead of vanishing.
+    """
+
+    def __init__(self, shard, max_in_flight: int = 8) -> None:
+        self.shard = shard
+        self.max_in_flight = max_in_flight
+        self._writes: collections.deque[torch.futures.Future] = collections.deque()
+        self._next_sample: torch.futures.Future | None = None
+
+    def extend(self, transitions: TensorDictBase) -> None:
+        self._track(self.shard.rpc_async().extend(transitions))
+
+    def update_priority(self, priorities: TensorDictBase) -> None:
+        self._track(self.shard.rpc_async().update_priority(priorities))
+
+    def sample(self, prefetch: bool = True) -> TensorDictBase:
+        """The next batch; with ``prefetch`` the one after it is requested right away."""
+        future = self._next_sample or self.shard.rpc_async().sample()
+        self._next_sample = self.shard.rpc_async().sample() if prefetch else None
+        return future.wait()
+
+    def flush(self) -> None:
+        """Wait for every outstanding write and drop a prefetched batch."""
+        while self._writes:
+            self._writes.popleft().wait()
+        if self._next_sample is not None:
+            self._next_sample.wait()
+            self._next_sample = None
+
+    def _track(self, future: torch.futures.Future) -> None:
+        self._writes.append(future)
+        while len(self._writes) > self.max_in_flight:
+            self._writes.popleft().wait()

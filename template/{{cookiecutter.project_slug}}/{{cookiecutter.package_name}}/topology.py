@@ -1,0 +1,157 @@
+"""Who does what: replay ranks, learner ranks, the learners' process group, the RPC world.
+
+Replay ranks come first (0 .. R-1), learners after them. Rank 0 also keeps the run's
+records (metrics, summary.json), whatever its role. Objects a rank serves over RPC are
+registered with ``host`` and reached from any rank through ``handle``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from .config import ConfigError
+
+REPLAY = "replay"
+LEARNER = "learner"
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    replay_ranks: tuple[int, ...]
+    learner_ranks: tuple[int, ...]
+
+    @classmethod
+    def plan(cls, world_size: int, rank: int, replay_ranks: int, uses_replay: bool) -> Topology:
+        """Assign roles; one process keeps its buffer in-process and is its own learner."""
+        if world_size == 1:
+            return cls(rank, 1, (), (0,))
+        replay = replay_ranks if uses_replay else 0
+        if uses_replay and replay < 1:
+            raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several ranks")
+        if world_size - replay < 1:
+            raise ConfigError(
+                f"replay.ranks={replay} leaves no learner rank among {world_size} ranks"
+            )
+        return cls(rank, world_size, tuple(range(replay)), tuple(range(replay, world_size)))
+
+    @property
+    def role(self) -> str:
+        return REPLAY if self.rank in self.replay_ranks else LEARNER
+
+    @property
+    def roles(self) -> dict[str, str]:
+        return {str(r): (REPLAY if r in self.replay_ranks else LEARNER) for r in range(self.world_size)}
+
+    @property
+    def learner_index(self) -> int:
+        return self.learner_ranks.index(self.rank)
+
+    @property
+    def shard_ranks(self) -> tuple[int, ...]:
+        """Ranks holding a replay shard; rank 0 itself when there is one process."""
+        return self.replay_ranks or (0,)
+
+
+def bind_to_loopback_unless_named(address: Optional[str]) -> None:
+    """Keep gloo and TensorPipe on the loopback interface unless an address was named.
+
+    RPC runs pickled calls: whoever reaches its port can run code on this machine.
+    """
+    address = address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        loopback = False
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+
+def connect(topology: Topology, address: Optional[str], port: Optional[int], timeout_s: float):
+    """Create the learner group and join the RPC world; returns the learner group.
+
+    Every rank calls ``new_group`` in the same order, replay ranks included, as torch
+    requires. RPC gets its own port so it never collides with Fabric's c10d store.
+    """
+    if topology.world_size == 1:
+        return None
+    timeout = timedelta(seconds=timeout_s)
+    learner_group = dist.new_group(list(topology.learner_ranks), timeout=timeout)
+    address = address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = port or int(os.environ.get("MASTER_PORT", "29500")) + 1
+    rpc.init_rpc(
+        f"rank{topology.rank}",
+        rank=topology.rank,
+        world_size=topology.world_size,
+        rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+            init_method=f"tcp://{address}:{port}", rpc_timeout=timeout_s
+        ),
+    )
+    return learner_group
+
+
+def disconnect(topology: Topology) -> None:
+    """Leave the RPC world. Graceful shutdown waits until every rank got here."""
+    if topology.world_size > 1:
+        rpc.shutdown()
+
+
+_HOSTED: dict[str, Any] = {}
+
+
+def host(name: str, obj: Any) -> None:
+    """Serve ``obj`` under ``name`` on this rank. Call before ``connect``."""
+    _HOSTED[name] = obj
+
+
+def hosted(name: str) -> Any:
+    return _HOSTED[name]
+
+
+def handle(topology: Topology, owner: int, name: str) -> Any:
+    """An RRef to the object ``name`` hosted on rank ``owner``.
+
+    Call its methods with ``.rpc_async().method(...)`` (a future) or ``.rpc_sync()``.
+    """
+    if topology.world_size == 1:
+        return LocalRef(_HOSTED[name])
+    return rpc.remote(owner, hosted, args=(name,))
+
+
+class LocalRef:
+    """The RRef interface for an object in this process, so one-process runs share the code."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def rpc_sync(self) -> Any:
+        return self._obj
+
+    def rpc_async(self) -> _CompletedCalls:
+        return _CompletedCalls(self._obj)
+
+
+class _CompletedCalls:
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str):
+        method = getattr(self._obj, name)
+
+        def call(*args: Any, **kwargs: Any) -> torch.futures.Future:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(method(*args, **kwargs))
+            return future
+
+        return call

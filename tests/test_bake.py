@@ -1,0 +1,90 @@
+"""Baking: names, nothing left unrendered, clean failures, and the project's own tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cookiecutter.main import cookiecutter
+
+from .conftest import REPO
+
+UNRENDERED = ("{{ cookiecutter", "{{cookiecutter", "{%")
+
+
+def project_files(project: Path) -> list[Path]:
+    return [p for p in project.rglob("*") if "__pycache__" not in p.parts]
+
+
+def assert_fully_rendered(project: Path) -> None:
+    for path in project_files(project):
+        relative = str(path.relative_to(project))
+        assert not any(mark in relative for mark in UNRENDERED), relative
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            assert not any(mark in text for mark in UNRENDERED), relative
+
+
+def test_defaults(cookies):
+    result = cookies.bake()
+    assert result.exit_code == 0, result.exception
+    project = result.project_path
+    assert project.name == "my-rl-project"
+    assert (project / "my_rl_project" / "recipes" / "dqn.py").is_file()
+    assert (project / "train.py").is_file() and (project / "config.yaml").is_file()
+    assert_fully_rendered(project)
+    assert "from my_rl_project import" in (project / "train.py").read_text()
+
+
+def test_names_follow_the_project_name(cookies):
+    result = cookies.bake(extra_context={"project_name": "Cart Pole Lab"})
+    assert result.exit_code == 0, result.exception
+    assert result.project_path.name == "cart-pole-lab"
+    assert (result.project_path / "cart_pole_lab" / "learner.py").is_file()
+    assert_fully_rendered(result.project_path)
+
+
+def test_directory_option_bakes_the_same_project(tmp_path):
+    project = Path(cookiecutter(str(REPO), directory="template", no_input=True, output_dir=str(tmp_path)))
+    assert project.name == "my-rl-project"
+    assert (project / "my_rl_project" / "recipes" / "dqn.py").is_file()
+    assert_fully_rendered(project)
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ({"package_name": "1bad-name"}, "package_name '1bad-name' is not a valid Python package name"),
+        ({"package_name": "class"}, "package_name 'class' is not a valid Python package name"),
+        ({"recipes": "dqn,nosuch"}, "recipes 'dqn,nosuch' must name some of: dqn"),
+        ({"default_recipe": "ppo"}, "default_recipe 'ppo' is not among the chosen recipes"),
+    ],
+)
+def test_bad_input_fails_cleanly_and_leaves_nothing(tmp_path, context, message):
+    args = [f"{key}={value}" for key, value in context.items()]
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", "--no-input", str(REPO), "--output-dir", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert f"error: {message}" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [{}, {"project_name": "Cart Pole Lab"}])
+def test_generated_project_tests_pass(cookies, context):
+    result = cookies.bake(extra_context=context)
+    assert result.exit_code == 0, result.exception
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=result.project_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert tests.returncode == 0, tests.stdout[-5000:] + tests.stderr[-3000:]
+    assert " passed" in tests.stdout.strip().splitlines()[-1]
