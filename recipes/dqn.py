@@ -26,14 +26,16 @@ class Config:
     lr: float = 2.3e-3
     gamma: float = 0.99
     batch_size: int = 64
-    # Gradient updates after each collector batch; with 256 frames per batch this is
-    # the SB3 zoo's ratio of one update per two frames (per learner).
+    # Gradient updates after each collector batch (256 frames per learner by default):
+    # each frame is replayed 32 times on average, as in the SB3 zoo's setting.
     updates_per_batch: int = 128
     learning_starts: int = 1000
     eps_init: float = 1.0
     eps_end: float = 0.04
     eps_frames: int = 16_000
-    target_update_period: int = 10
+    # Updates between target-network copies: once per collector batch, which is what the
+    # SB3 zoo's setting amounts to (its target is refreshed while collecting).
+    target_update_period: int = 128
     double_dqn: bool = False
 
 
@@ -74,6 +76,7 @@ class Agent(nn.Module):
         )
         self.loss_module = DQNLoss(
             self.actor,
+            loss_function="smooth_l1",
             delay_value=True,
             double_dqn=cfg.double_dqn,
             action_space=action_spec,

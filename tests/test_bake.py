@@ -53,6 +53,13 @@ def test_directory_option_bakes_the_same_project(tmp_path):
     assert_fully_rendered(project)
 
 
+def test_generated_code_is_lint_clean(cookies):
+    result = cookies.bake(extra_context={"project_name": "Cart Pole Lab"})
+    ruff = Path(sys.executable).with_name("ruff")
+    check = subprocess.run([str(ruff), "check", "."], cwd=result.project_path, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+
 @pytest.mark.parametrize(
     ("context", "message"),
     [

@@ -20,8 +20,14 @@ ENV_FOR = {"dqn": "CartPole-v1"}
 def test_recipe_follows_the_interface_and_its_loss_trains(name):
     recipe = importlib.import_module(f"recipes.{name}")
     assert dataclasses.is_dataclass(recipe.Config)
-    env = GymWrapper(gym.make_vec(ENV_FOR[name], num_envs=2, vectorization_mode="sync",
-                                  vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}))
+    env = GymWrapper(
+        gym.make_vec(
+            ENV_FOR[name],
+            num_envs=2,
+            vectorization_mode="sync",
+            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        )
+    )
     agent = recipe.Agent(recipe.Config(), env)
     assert isinstance(agent, torch.nn.Module)
     for attribute in ("uses_replay", "batch_keys", "priority_key", "policy"):
@@ -37,4 +43,4 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     optimizer.step()
     agent.after_update()
     agent.after_collect(16)
-    assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters(), strict=True))

@@ -50,7 +50,10 @@ def main(argv: list[str]) -> int:
         return 0
 
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
-    fabric = Fabric(**fabric_arguments(cfg), loggers=CSVLogger(cfg.run_dir, name="", version=""))
+    fabric = Fabric(
+        **fabric_arguments(cfg),
+        loggers=CSVLogger(cfg.run_dir, name="", version="", flush_logs_every_n_steps=1),
+    )
     if os.environ.get("LT_CLI_USED") == "1":
         run(fabric, cfg, recipe)  # `fabric run` already started the ranks; Fabric forbids launch()
     else:

@@ -25,9 +25,22 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{args.env}-seed{seed}"
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [
-        fabric, "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", str(args.devices),
-        "train.py", f"recipe={args.recipe}", f"env.id={args.env}", f"total_frames={args.frames}",
-        f"seed={seed}", f"eval.every={args.eval_every}", f"run_dir={run_dir}", *args.overrides,
+        fabric,
+        "run",
+        "--accelerator",
+        "cpu",
+        "--strategy",
+        "ddp",
+        "--devices",
+        str(args.devices),
+        "train.py",
+        f"recipe={args.recipe}",
+        f"env.id={args.env}",
+        f"total_frames={args.frames}",
+        f"seed={seed}",
+        f"eval.every={args.eval_every}",
+        f"run_dir={run_dir}",
+        *args.overrides,
     ]
     result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, env={**os.environ})
     if result.returncode != 0:
@@ -48,7 +61,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipe", default="dqn")
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--frames", type=int, default=100_000)
@@ -60,7 +75,8 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    print(f"{'seed':>4} {'reached':>7} {'frames to target':>16} {'s to target':>11} {'final return':>12} {'wall s':>7}")
+    header = ("seed", "reached", "frames to target", "s to target", "final return", "wall s")
+    print("{:>4} {:>7} {:>16} {:>11} {:>12} {:>7}".format(*header))
     for seed in args.seeds:
         row = run_seed(args, seed)
         rows.append(row)
@@ -69,10 +85,19 @@ def main() -> None:
             f"{str(row['wall_s_to_target']):>11} {row['final_eval_return']:>12.1f} {row['wall_s']:>7}",
             flush=True,
         )
-    print(json.dumps({
-        "benchmark": "learning", "recipe": args.recipe, "env": args.env, "target": args.target,
-        "frames_budget": args.frames, "all_reached": all(row["reached"] for row in rows), "seeds": rows,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "learning",
+                "recipe": args.recipe,
+                "env": args.env,
+                "target": args.target,
+                "frames_budget": args.frames,
+                "all_reached": all(row["reached"] for row in rows),
+                "seeds": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,19 @@ def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subproces
     port = free_port()
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [
-        fabric, "run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", str(devices),
-        "--main-port", str(port), "train.py", f"rpc.port={free_port()}", *overrides,
+        fabric,
+        "run",
+        "--accelerator",
+        "cpu",
+        "--strategy",
+        "ddp",
+        "--devices",
+        str(devices),
+        "--main-port",
+        str(port),
+        "train.py",
+        f"rpc.port={free_port()}",
+        *overrides,
     ]
     return run_command(command, timeout)
 

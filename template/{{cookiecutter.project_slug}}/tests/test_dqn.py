@@ -13,7 +13,9 @@ def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
     torch.manual_seed(0)
     env = make_env("CartPole-v1", num_envs=4, seed=0)
     agent = dqn.Agent(dqn.Config(hidden_sizes=[16], batch_size=16), env)
-    collector = make_collector(env, agent.policy, frames_per_batch=64, total_frames=64, device=torch.device("cpu"))
+    collector = make_collector(
+        env, agent.policy, frames_per_batch=64, total_frames=64, device=torch.device("cpu")
+    )
     frames = next(iter(collector)).reshape(-1)
     collector.shutdown()
     assert frames.batch_size == torch.Size([64])

@@ -1,11 +1,11 @@
-"""The real entry point: one process, and three ranks launched by `fabric run` (gloo)."""
+"""The real entry point: one process, and three ranks launched by `fabric run` and by Fabric."""
 
 from __future__ import annotations
 
 import math
 import sys
 
-from .conftest import fabric_run, read_summary, run_command
+from .conftest import fabric_run, free_port, read_summary, run_command
 
 
 def test_single_process_run_writes_its_records(tmp_path, tiny):
@@ -14,13 +14,12 @@ def test_single_process_run_writes_its_records(tmp_path, tiny):
     summary = read_summary(result)
     assert summary["world_size"] == 1 and summary["roles"] == {"0": "learner"}
     assert summary["frames_collected"] == summary["replay_size"] == 3072
-    assert summary["updates"] > 0 and summary["eval_episodes"] >= 10
+    # 12 steps of 256 frames; updates start at 1024 frames (step 4): 9 steps of 4 updates.
+    assert summary["updates"] == 36 and summary["eval_episodes"] >= 10
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
 
 
-def test_three_ranks_through_fabric_run(tmp_path, tiny):
-    run_dir = tmp_path / "run"
-    summary = read_summary(fabric_run(3, *tiny, f"run_dir={run_dir}"))
+def check_three_rank_summary(summary: dict) -> None:
     assert summary["world_size"] == 3
     assert summary["roles"] == {"0": "replay", "1": "learner", "2": "learner"}
     # 3072 frames over two learners of 256 frames per step: 6 steps each, nothing lost.
@@ -34,3 +33,20 @@ def test_three_ranks_through_fabric_run(tmp_path, tiny):
     for key in ("frames_per_s", "updates_per_s", "wall_s"):
         assert summary[key] > 0
     assert [row["frames"] for row in summary["eval_history"]] == [2048]
+
+
+def test_three_ranks_through_fabric_run(tmp_path, tiny):
+    check_three_rank_summary(read_summary(fabric_run(3, *tiny, f"run_dir={tmp_path / 'run'}")))
+
+
+def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):
+    command = [
+        sys.executable,
+        "train.py",
+        "fabric.devices=3",
+        "fabric.accelerator=cpu",
+        f"rpc.port={free_port()}",
+        *tiny,
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    check_three_rank_summary(read_summary(run_command(command)))

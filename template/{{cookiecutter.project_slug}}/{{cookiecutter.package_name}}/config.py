@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import gymnasium as gym
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -52,14 +52,14 @@ class EvalConfig:
 class FabricConfig:
     accelerator: str = MISSING
     strategy: str = MISSING
-    devices: Optional[int] = None
+    devices: int | None = None
     num_nodes: int = MISSING
 
 
 @dataclass
 class RpcConfig:
-    address: Optional[str] = None
-    port: Optional[int] = None
+    address: str | None = None
+    port: int | None = None
     timeout: float = MISSING
 
 
@@ -69,7 +69,7 @@ class RunConfig:
     seed: int = MISSING
     total_frames: int = MISSING
     run_dir: str = MISSING
-    threads: Optional[int] = None
+    threads: int | None = None
     log_every: int = MISSING
     env: EnvConfig = field(default_factory=EnvConfig)
     collector: CollectorConfig = field(default_factory=CollectorConfig)
@@ -129,16 +129,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
     batch_size = getattr(cfg.algo, "batch_size", 0)
     if batch_size > cfg.replay.capacity:
-        raise ConfigError(
-            f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})"
-        )
+        raise ConfigError(f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
     if cfg.env.id not in gym.registry:
         raise ConfigError(f"unknown env id '{cfg.env.id}' (not registered with gymnasium)")
 
 
-def expected_world_size(cfg: DictConfig) -> Optional[int]:
+def expected_world_size(cfg: DictConfig) -> int | None:
     """The number of ranks, where it is known before the launcher starts them."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])

@@ -55,7 +55,11 @@ def train(
     frames_per_step = cfg.collector.frames_per_batch * learners
     steps = math.ceil(cfg.total_frames / frames_per_step)
     collector = make_collector(
-        env, agent.policy, cfg.collector.frames_per_batch, steps * cfg.collector.frames_per_batch, fabric.device
+        env,
+        agent.policy,
+        cfg.collector.frames_per_batch,
+        steps * cfg.collector.frames_per_batch,
+        fabric.device,
     )
 
     frames = updates = 0
@@ -86,7 +90,9 @@ def train(
         if crossed(frames, frames_per_step, cfg.log_every):
             reports.append(recorder.rpc_async().report(frames, window.flush()))
         if crossed(frames, frames_per_step, cfg.eval.every):
-            returns = evaluate(agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device)
+            returns = evaluate(
+                agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device
+            )
             reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
     train_s = time.monotonic() - started
     collector.shutdown()
@@ -94,7 +100,9 @@ def train(
     for report in reports:
         report.wait()
 
-    final_returns = evaluate(agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device)
+    final_returns = evaluate(
+        agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device
+    )
     return {
         "frames": steps * cfg.collector.frames_per_batch,
         "updates": updates,
