@@ -18,17 +18,21 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -c "from torchrl.data import TensorDictPrioritizedReplayBuffer as B, LazyTensorStorage as S; B(alpha=0.6, beta=0.4, storage=S(8)); print('prioritized replay buffer: ok')"
 	touch $@
 
+DEMO_RUN := $(DEMO_DIR)/my-rl-project/runs/demo
+
 demo: install
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(BIN)/cookiecutter --no-input . --output-dir $(DEMO_DIR)
 	cd $(DEMO_DIR)/my-rl-project && PATH="$(abspath $(BIN)):$$PATH" \
 		fabric run --accelerator cpu --strategy ddp --devices 3 train.py \
-		recipe=dqn env.id=CartPole-v1 total_frames=30000 seed=1 run_dir=runs/demo \
-		| tee ../train.log
-	@$(BIN)/python -c "import json; s = json.load(open('$(DEMO_DIR)/my-rl-project/runs/demo/summary.json')); \
-		print(f\"eval return {s['eval_return']:.1f} over {s['eval_episodes']} greedy episodes, \
-		{s['frames_collected']} frames in {s['wall_s']:.0f} s\")"
-	@echo "results: $(DEMO_DIR)/my-rl-project/runs/demo (summary.json, metrics.csv, config.yaml)"
+		recipe=dqn env.id=CartPole-v1 total_frames=50000 eval.every=5000 seed=1 run_dir=runs/demo
+	@$(BIN)/python -c 'import json, sys; s = json.load(open(sys.argv[1])); \
+		best = max(s["eval_history"], key=lambda r: r["eval_return"]); \
+		print("eval return %.1f: mean of %d greedy episodes after %d frames in %.0f s" \
+		% (s["eval_return"], s["eval_episodes"], s["frames_collected"], s["wall_s"])); \
+		print("best evaluation %.1f at %d frames" % (best["eval_return"], best["frames"]))' \
+		$(DEMO_RUN)/summary.json
+	@echo "results: $(DEMO_RUN) (summary.json, metrics.csv, config.yaml)"
 
 test: install
 	$(BIN)/python -m pytest

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -41,9 +42,12 @@ def main(argv: list[str]) -> int:
         if world_size:
             topology.Topology.plan(world_size, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
     except config.ConfigError as error:
-        # Under `fabric run` every rank checks the same config: one of them says so.
+        # Under `fabric run` every rank checks the same config and rank 0 says what is
+        # wrong. The others wait a moment: the launcher stops all ranks as soon as one exits.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr)
+        else:
+            time.sleep(5)
         return 2
     if "--print-config" in argv:
         print(OmegaConf.to_yaml(cfg), end="")
@@ -113,7 +117,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
         records = topology.hosted("recorder")
         records.wait_for_learners()
         shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
-        summary = records.write_summary(shards)
+        summary = records.close(shards)
     topology.disconnect(plan)
     if summary is not None:
         print(f"summary: {summary}")

@@ -50,3 +50,9 @@ def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):
         f"run_dir={tmp_path / 'run'}",
     ]
     check_three_rank_summary(read_summary(run_command(command)))
+
+
+def test_bad_input_under_fabric_run_is_reported_and_fails():
+    result = fabric_run(3, "total_frames=0", timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("error: total_frames must be > 0, got 0") == 1, result.stderr[-2000:]

@@ -62,6 +62,12 @@ def train(
         fabric.device,
     )
 
+    def greedy_returns() -> list[float]:
+        # Each learner plays its share of the episodes (rounded up), on its own seeds.
+        episodes = math.ceil(cfg.eval.episodes / learners)
+        seed = cfg.seed + 1_000_000 + 1000 * index
+        return evaluate(agent.policy, cfg.env.id, episodes, seed, fabric.device)
+
     frames = updates = 0
     window = Window()
     reports = []
@@ -90,9 +96,7 @@ def train(
         if crossed(frames, frames_per_step, cfg.log_every):
             reports.append(recorder.rpc_async().report(frames, window.flush()))
         if crossed(frames, frames_per_step, cfg.eval.every):
-            returns = evaluate(
-                agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device
-            )
+            returns = greedy_returns()
             reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
     train_s = time.monotonic() - started
     collector.shutdown()
@@ -100,30 +104,18 @@ def train(
     for report in reports:
         report.wait()
 
-    final_returns = evaluate(
-        agent.policy, cfg.env.id, share(cfg, topology), eval_seed(cfg, index), fabric.device
-    )
     return {
         "frames": steps * cfg.collector.frames_per_batch,
         "updates": updates,
         "train_s": train_s,
         "param_checksum": sum(p.detach().double().sum() for p in agent.parameters()).item(),
-        "eval_returns": final_returns,
+        "eval_returns": greedy_returns(),
     }
 
 
 def crossed(frames: int, step: int, every: int) -> bool:
     """Whether ``frames`` just passed a multiple of ``every`` (the same on all learners)."""
     return every > 0 and frames // every > (frames - step) // every
-
-
-def share(cfg: DictConfig, topology: Topology) -> int:
-    """This learner's part of the evaluation episodes (rounded up, so at least the total)."""
-    return math.ceil(cfg.eval.episodes / len(topology.learner_ranks))
-
-
-def eval_seed(cfg: DictConfig, index: int) -> int:
-    return cfg.seed + 1_000_000 + 1000 * index
 
 
 class Window:

@@ -28,6 +28,9 @@ class Recorder:
         self.topology = topology
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Open the metrics file first: Fabric's CSV logger warns about any folder that
+        # already holds files when it starts.
+        fabric.logger.experiment  # noqa: B018
         OmegaConf.save(cfg, self.run_dir / "config.yaml")
         self.started = time.monotonic()
         self.eval_history: list[dict[str, float]] = []
@@ -64,7 +67,8 @@ class Recorder:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def write_summary(self, shards: list[dict[str, int]]) -> Path:
+    def close(self, shards: list[dict[str, int]]) -> Path:
+        """Write summary.json from the learners' final statistics and close the loggers."""
         learners = [self._finished[rank] for rank in self.topology.learner_ranks]
         eval_returns = [r for stats in learners for r in stats["eval_returns"]]
         frames = sum(stats["frames"] for stats in learners)
