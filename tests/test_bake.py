@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,10 @@ def test_defaults(cookies):
     assert (project / "train.py").is_file() and (project / "config.yaml").is_file()
     assert_fully_rendered(project)
     assert "from my_rl_project import" in (project / "train.py").read_text()
+    record = json.loads((project / ".cookiecutter.json").read_text())
+    assert record["project_name"] == "My RL Project" and record["package_name"] == "my_rl_project"
+    assert (project / ".pre-commit-config.yaml").is_file()
+    assert "pytest" in (project / ".github" / "workflows" / "tests.yml").read_text()
 
 
 def test_names_follow_the_project_name(cookies):
