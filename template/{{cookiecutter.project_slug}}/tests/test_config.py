@@ -45,14 +45,18 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
         (["total_frames=0"], "total_frames must be > 0"),
         (["total_frames=-5"], "total_frames must be > 0"),
         (["total_frames=lots"], "total_frames: Value 'lots'"),
-        (["fabric.devices=2", "replay.ranks=2"], "leaves no learner rank"),
+        (["fabric.devices=2", "replay.ranks=0"], "replay.ranks must be >= 1 for a replay recipe"),
+        (["fabric.devices=2", "replay.ranks=2"], "replay.ranks=2 leaves no learner rank among 2 ranks"),
+        (["fabric.devices=4", "replay.ranks=2"], "replay.ranks=2: one replay rank is supported for now"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         (["replay.capacity=10"], "exceeds replay.capacity"),
         (["total_frames"], "expected key=value"),
     ],
 )
 def test_bad_input_is_one_error_line(capsys, argv, message):
-    assert train.main(argv) == 2
+    # --print-config: should a check ever let bad input through, the test fails at once
+    # instead of starting a training run.
+    assert train.main([*argv, "--print-config"]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err

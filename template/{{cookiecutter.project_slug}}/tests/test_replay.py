@@ -31,24 +31,45 @@ def test_client_writes_are_all_kept_in_order():
     for start in range(0, 500, 50):
         client.extend(transitions(start, 50))
     client.flush()
-    assert shard.stats() == {"size": 500, "inserted": 500}
+    assert shard.stats() == {"size": 500, "inserted": 500, "stale_updates": 0}
     stored = shard.buffer[:]["observation"]
     assert torch.equal(stored, torch.arange(500, dtype=torch.float32))
 
 
+def favour(client: ReplayClient, batch, slot: int) -> None:
+    """Send priorities for ``batch`` that give ``slot`` nearly all the mass."""
+    batch["td_error"] = torch.where(batch["index"] == slot, 1e3, 1e-6)
+    client.update_priority(batch, "td_error")
+    client.flush()
+
+
+def share_of(client: ReplayClient, slot: int) -> float:
+    return (client.sample(prefetch=False)["index"] == slot).float().mean().item()
+
+
 def test_priority_updates_reach_the_sampled_transitions():
-    shard = make_shard(batch_size=256)
+    shard = make_shard(capacity=100, batch_size=256)
     client = ReplayClient(LocalRef(shard))
     client.extend(transitions(0, 100))
     client.flush()
     batch = client.sample(prefetch=False)
-    # Give one slot nearly all the priority mass: sampling must then return it almost always.
     favourite = int(batch["index"][0])
-    priorities = torch.full((100,), 1e-6)
-    priorities[favourite] = 1e3
-    client.update_priority(TensorDict({"index": torch.arange(100), "td_error": priorities}, [100]))
-    client.flush()
+    favour(client, batch, favourite)
+    assert share_of(client, favourite) > 0.95
     resampled = client.sample(prefetch=False)
-    share = (resampled["index"] == favourite).float().mean().item()
-    assert share > 0.95, share
     assert torch.equal(resampled["observation"], resampled["index"].float())
+
+
+def test_priority_update_for_an_overwritten_slot_is_dropped():
+    shard = make_shard(capacity=100, batch_size=256)
+    client = ReplayClient(LocalRef(shard))
+    client.extend(transitions(0, 100))
+    client.flush()
+    batch = client.sample(prefetch=False)
+    favourite = int(batch["index"][0])
+    client.extend(transitions(100, 100))  # the buffer is full: every slot gets a new occupant
+    client.flush()
+    favour(client, batch, favourite)
+    assert shard.stats()["stale_updates"] == batch.numel()
+    # New transitions keep their equal (maximal) priority: the stale update changed nothing.
+    assert share_of(client, favourite) < 0.1

@@ -25,6 +25,7 @@ def check_three_rank_summary(summary: dict) -> None:
     # 3072 frames over two learners of 256 frames per step: 6 steps each, nothing lost.
     assert summary["frames_collected"] == 3072
     assert summary["replay_size"] == summary["frames_collected"]
+    assert summary["stale_priority_updates"] == 0  # capacity exceeds the frames: nothing overwritten
     # Updates start once 1024 frames are in (step 2 of 6): 5 steps of 4 updates.
     assert summary["updates"] == 20
     checksums = list(summary["learner_param_checksums"].values())

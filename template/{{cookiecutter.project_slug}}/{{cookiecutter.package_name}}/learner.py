@@ -89,7 +89,7 @@ def train(
                 loss.backward()
                 optimizer.step()
                 agent.after_update()
-                replay.update_priority(sample.select("index", agent.priority_key).cpu())
+                replay.update_priority(sample, agent.priority_key)
                 window.add_metrics(metrics)
                 updates += 1
 

@@ -14,6 +14,8 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 
+GENERATION = "generation"
+
 
 class ReplayShard:
     """A prioritized buffer served to learners; RPC calls arrive on several threads."""
@@ -27,26 +29,36 @@ class ReplayShard:
             priority_key=priority_key,
         )
         self.priority_key = priority_key
+        # How often each slot has been written. A priority computed for a transition that
+        # has since been overwritten belongs to the old occupant: it is dropped.
+        self.generation = torch.zeros(capacity, dtype=torch.long)
         self.inserted = 0
+        self.stale_updates = 0
         self._lock = threading.Lock()
 
     def extend(self, transitions: TensorDictBase) -> None:
         with self._lock:
-            self.buffer.extend(transitions)
+            index = self.buffer.extend(transitions)
+            self.generation[index] += 1
             self.inserted += transitions.numel()
 
     def sample(self) -> TensorDictBase:
         with self._lock:
-            return self.buffer.sample()
+            batch = self.buffer.sample()
+            batch[GENERATION] = self.generation[batch["index"]]
+            return batch
 
     def update_priority(self, priorities: TensorDictBase) -> None:
-        """``priorities`` holds ``index`` and the priority key of a sampled batch."""
+        """``priorities`` holds ``index``, ``generation`` and the priority key of a sample."""
         with self._lock:
-            self.buffer.update_tensordict_priority(priorities)
+            current = self.generation[priorities["index"]] == priorities[GENERATION]
+            self.stale_updates += int((~current).sum())
+            if current.any():
+                self.buffer.update_tensordict_priority(priorities[current])
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"size": len(self.buffer), "inserted": self.inserted}
+            return {"size": len(self.buffer), "inserted": self.inserted, "stale_updates": self.stale_updates}
 
 
 class ReplayClient:
@@ -65,7 +77,9 @@ class ReplayClient:
     def extend(self, transitions: TensorDictBase) -> None:
         self._track(self.shard.rpc_async().extend(transitions))
 
-    def update_priority(self, priorities: TensorDictBase) -> None:
+    def update_priority(self, batch: TensorDictBase, priority_key: str) -> None:
+        """Send the new priorities of a sampled ``batch`` (the loss wrote them in place)."""
+        priorities = batch.select("index", GENERATION, priority_key).cpu()
         self._track(self.shard.rpc_async().update_priority(priorities))
 
     def sample(self, prefetch: bool = True) -> TensorDictBase:
