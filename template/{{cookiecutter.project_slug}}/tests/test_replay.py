@@ -47,12 +47,16 @@ def share_of(client: ReplayClient, slot: int) -> float:
     return (client.sample(prefetch=False)["index"] == slot).float().mean().item()
 
 
-def test_priority_updates_reach_the_sampled_transitions():
+def full_buffer_and_a_sample() -> tuple[ReplayShard, ReplayClient, TensorDict]:
     shard = make_shard(capacity=100, batch_size=256)
     client = ReplayClient(LocalRef(shard))
     client.extend(transitions(0, 100))
     client.flush()
-    batch = client.sample(prefetch=False)
+    return shard, client, client.sample(prefetch=False)
+
+
+def test_priority_updates_reach_the_sampled_transitions():
+    _, client, batch = full_buffer_and_a_sample()
     favourite = int(batch["index"][0])
     favour(client, batch, favourite)
     assert share_of(client, favourite) > 0.95
@@ -61,11 +65,7 @@ def test_priority_updates_reach_the_sampled_transitions():
 
 
 def test_priority_update_for_an_overwritten_slot_is_dropped():
-    shard = make_shard(capacity=100, batch_size=256)
-    client = ReplayClient(LocalRef(shard))
-    client.extend(transitions(0, 100))
-    client.flush()
-    batch = client.sample(prefetch=False)
+    shard, client, batch = full_buffer_and_a_sample()
     favourite = int(batch["index"][0])
     client.extend(transitions(100, 100))  # the buffer is full: every slot gets a new occupant
     client.flush()
