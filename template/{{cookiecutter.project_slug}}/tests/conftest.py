@@ -32,7 +32,9 @@ def free_port() -> int:
 
 
 def run_command(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Scripts under benchmarks/ import the package as an installed project would.
+    pythonpath = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
     return subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,17 @@
+"""The benchmark scripts run and print their figures (their numbers are not judged here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .conftest import run_command
+
+
+def test_collection_benchmark_prints_a_table_and_a_json_line():
+    result = run_command([sys.executable, "benchmarks/collection.py", "--envs", "4", "--frames", "2048"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["benchmark"] == "collection"
+    assert figures["plain_fps"] > 0 and figures["collector_fps"] > 0
+    assert "ratio (collector / plain)" in result.stdout
