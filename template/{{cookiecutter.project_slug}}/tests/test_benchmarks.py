@@ -15,3 +15,12 @@ def test_collection_benchmark_prints_a_table_and_a_json_line():
     assert figures["benchmark"] == "collection"
     assert figures["plain_fps"] > 0 and figures["collector_fps"] > 0
     assert "ratio (collector / plain)" in result.stdout
+
+
+def test_end_to_end_benchmark_compares_the_two_setups(tiny):
+    command = [sys.executable, "benchmarks/end_to_end.py", "--frames", "2048", *tiny[1:]]
+    result = run_command(command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["benchmark"] == "end_to_end"
+    assert figures["in_process_updates_per_s"] > 0 and figures["replay_rank_updates_per_s"] > 0
