@@ -24,3 +24,12 @@ def test_end_to_end_benchmark_compares_the_two_setups(tiny):
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["benchmark"] == "end_to_end"
     assert figures["in_process_updates_per_s"] > 0 and figures["replay_rank_updates_per_s"] > 0
+
+
+def test_replay_benchmark_measures_rpc_against_in_process():
+    command = [sys.executable, "benchmarks/replay.py", "--learners", "2", "--seconds", "0.5"]
+    result = run_command(command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    assert set(rows) == {"in-process", "rpc, 2 learner(s)"}
+    assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
