@@ -57,3 +57,11 @@ def test_bad_input_under_fabric_run_is_reported_and_fails():
     result = fabric_run(3, "total_frames=0", timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("error: total_frames must be > 0, got 0") == 1, result.stderr[-2000:]
+
+
+def test_four_learners_write_to_one_replay_rank_and_nothing_is_lost(tmp_path, tiny):
+    summary = read_summary(fabric_run(5, *tiny, "total_frames=4096", f"run_dir={tmp_path / 'run'}"))
+    assert summary["roles"] == {"0": "replay", **{str(rank): "learner" for rank in range(1, 5)}}
+    assert summary["frames_collected"] == 4096
+    assert summary["replay_size"] == 4096  # every learner's writes, none overwritten
+    assert len(set(summary["learner_param_checksums"].values())) == 1
