@@ -28,7 +28,6 @@ class ReplayShard:
             batch_size=batch_size,
             priority_key=priority_key,
         )
-        self.priority_key = priority_key
         # How often each slot has been written. A priority computed for a transition that
         # has since been overwritten belongs to the old occupant: it is dropped.
         self.generation = torch.zeros(capacity, dtype=torch.long)
