@@ -11,6 +11,7 @@ the others are learners (see topology.py). Rank 0 writes the run's records into 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -88,26 +89,33 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
     plan = topology.Topology.plan(
         fabric.world_size, fabric.global_rank, cfg.replay.ranks, recipe.Agent.uses_replay
     )
-    torch.set_num_threads(cfg.threads or threads_per_rank(fabric))
+    torch.set_num_threads(cfg.threads or threads_per_rank(fabric, plan))
 
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
     if plan.rank == 0:
         topology.host("recorder", Recorder(fabric, cfg, plan))
     if plan.rank in plan.shard_ranks:
+        shards = len(plan.shard_ranks)
         topology.host(
             "replay",
             ReplayShard(
-                cfg.replay.capacity,
+                math.ceil(cfg.replay.capacity / shards),
                 cfg.replay.alpha,
                 cfg.replay.beta,
-                cfg.algo.batch_size,
                 recipe.Agent.priority_key,
+                shard=plan.shard_ranks.index(plan.rank),
             ),
         )
     learner_group = topology.connect(plan, cfg.rpc.address, cfg.rpc.port, cfg.rpc.timeout)
 
     if plan.role == topology.LEARNER:
-        replay = ReplayClient(topology.handle(plan, plan.shard_ranks[0], "replay"))
+        replay = ReplayClient(
+            [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
+            cfg.algo.batch_size,
+            cfg.replay.beta,
+            cfg.replay.batches_per_request,
+            first_shard=plan.learner_index,
+        )
         recorder = topology.handle(plan, 0, "recorder")
         stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group)
         recorder.rpc_sync().finish(plan.rank, stats)
@@ -123,9 +131,12 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
         print(f"summary: {summary}")
 
 
-def threads_per_rank(fabric: Fabric) -> int:
+def threads_per_rank(fabric: Fabric, plan: topology.Topology) -> int:
     """Split this node's cores between its ranks: each rank defaulting to all of them
-    oversubscribes the CPU."""
+    oversubscribes the CPU. A replay rank takes one: its work (tree searches, gathers of a
+    few hundred rows) gains nothing from more threads."""
+    if plan.role == topology.REPLAY:
+        return 1
     ranks_here = getattr(fabric.strategy, "num_processes", 1)
     return max(1, (os.cpu_count() or 1) // ranks_here)
 

@@ -1,12 +1,13 @@
 """Replay benchmark: the replay rank over RPC against the same buffer in-process.
 
     python benchmarks/replay.py                    # batch 256; 1, 2 and 4 learners
-    python benchmarks/replay.py --learners 1 8 --seconds 5
+    python benchmarks/replay.py --learners 1 8 --shards 2 --batches-per-request 1
 
-Uses the project's ReplayShard and ReplayClient. Each learner first extends for
-``--seconds`` (256 CartPole-sized transitions per call), then samples and sends priorities
-back for ``--seconds`` (prefetching, as the learner loop does). Rates are summed over
-learners. Prints a table and, last, a JSON line.
+Uses the project's ReplayShard and ReplayClient, with the project's defaults. Each learner
+first extends for ``--seconds`` (256 CartPole-sized transitions per call), then samples
+and sends priorities back for ``--seconds`` (prefetching, as the learner loop does).
+Rates are summed over learners. In-process means the same shard and client in this one
+process, without RPC. Prints a table and, last, a JSON line.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from {{ cookiecutter.package_name }} import topology
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 
 CAPACITY = 1_000_000
+ALPHA, BETA = 0.6, 0.4
 
 
 def transitions(count: int) -> TensorDict:
@@ -65,9 +67,13 @@ def measure(client: ReplayClient, batch_size: int, seconds: float) -> dict[str, 
     return {"extends_per_s": extend_rate, "samples_per_s": sampled / (time.perf_counter() - started)}
 
 
-def in_process(batch_size: int, seconds: float) -> dict[str, float]:
-    shard = ReplayShard(CAPACITY, 0.6, 0.4, batch_size, "td_error")
-    return measure(ReplayClient(topology.LocalRef(shard)), batch_size, seconds)
+def make_client(shards: list, args, first_shard: int = 0) -> ReplayClient:
+    return ReplayClient(shards, args.batch_size, BETA, args.batches_per_request, first_shard)
+
+
+def in_process(args) -> dict[str, float]:
+    shard = ReplayShard(CAPACITY, ALPHA, BETA, "td_error")
+    return measure(make_client([topology.LocalRef(shard)], args), args.batch_size, args.seconds)
 
 
 def rank_main(rank: int, world_size: int, ports: tuple[int, int], args, results) -> None:
@@ -75,12 +81,14 @@ def rank_main(rank: int, world_size: int, ports: tuple[int, int], args, results)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world_size
     )
-    plan = topology.Topology.plan(world_size, rank, replay_ranks=1, uses_replay=True)
+    plan = topology.Topology.plan(world_size, rank, replay_ranks=args.shards, uses_replay=True)
     if plan.role == topology.REPLAY:
-        topology.host("replay", ReplayShard(CAPACITY, 0.6, 0.4, args.batch_size, "td_error"))
+        shard = ReplayShard(CAPACITY // args.shards, ALPHA, BETA, "td_error", shard=rank)
+        topology.host("replay", shard)
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=120)
     if plan.role == topology.LEARNER:
-        client = ReplayClient(topology.handle(plan, 0, "replay"))
+        shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
+        client = make_client(shards, args, first_shard=plan.learner_index)
         results[rank] = measure(client, args.batch_size, args.seconds)
     topology.disconnect(plan)
     dist.destroy_process_group()
@@ -90,7 +98,8 @@ def over_rpc(learners: int, args) -> dict[str, float]:
     ports = (free_port(), free_port())
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(rank_main, args=(learners + 1, ports, args, results), nprocs=learners + 1)
+        world_size = args.shards + learners
+        mp.spawn(rank_main, args=(world_size, ports, args, results), nprocs=world_size)
         rows = list(results.values())
     return {key: sum(row[key] for row in rows) for key in ("extends_per_s", "samples_per_s")}
 
@@ -108,20 +117,24 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--shards", type=int, default=1, help="replay ranks in the RPC runs")
+    parser.add_argument("--batches-per-request", type=int, default=4)
     args = parser.parse_args()
     topology.bind_to_loopback_unless_named("127.0.0.1")
 
     torch.set_num_threads(1)
-    baseline = in_process(args.batch_size, args.seconds)
+    baseline = in_process(args)
     rows = {"in-process": baseline}
     for learners in args.learners:
-        rows[f"rpc, {learners} learner(s)"] = over_rpc(learners, args)
+        rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = over_rpc(learners, args)
 
-    print(f"{'setup':<22} {'extends/s':>10} {'samples/s':>10} {'vs in-process (samples)':>24}")
+    print(f"batch {args.batch_size}, {args.batches_per_request} batch(es) per request")
+    print(f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process (samples)':>24}")
     for name, row in rows.items():
         ratio = row["samples_per_s"] / baseline["samples_per_s"]
-        print(f"{name:<22} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {ratio:>24.2f}")
-    print(json.dumps({"benchmark": "replay", "batch_size": args.batch_size, "rows": rows}))
+        print(f"{name:<32} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {ratio:>24.2f}")
+    setup = {"batch_size": args.batch_size, "batches_per_request": args.batches_per_request}
+    print(json.dumps({"benchmark": "replay", **setup, "shards": args.shards, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
         (["total_frames=lots"], "total_frames: Value 'lots'"),
         (["fabric.devices=2", "replay.ranks=0"], "replay.ranks must be >= 1 for a replay recipe"),
         (["fabric.devices=2", "replay.ranks=2"], "replay.ranks=2 leaves no learner rank among 2 ranks"),
-        (["fabric.devices=4", "replay.ranks=2"], "replay.ranks=2: one replay rank is supported for now"),
+        (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         (["replay.capacity=10"], "exceeds replay.capacity"),
         (["total_frames"], "expected key=value"),

@@ -20,9 +20,9 @@ def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
     collector.shutdown()
     assert frames.batch_size == torch.Size([64])
 
-    shard = ReplayShard(1000, alpha=0.6, beta=0.4, batch_size=16, priority_key=agent.priority_key)
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
     shard.extend(frames.select(*agent.batch_keys))
-    batch = shard.sample()
+    batch, _, _ = shard.sample(16)
     loss, metrics = agent(batch)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert batch[agent.priority_key].numel() == 16

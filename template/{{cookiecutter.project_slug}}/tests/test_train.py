@@ -1,4 +1,4 @@
-"""The real entry point: one process, and three ranks launched by `fabric run` and by Fabric."""
+"""The real entry point: one process, and several ranks launched by `fabric run` and by Fabric."""
 
 from __future__ import annotations
 
@@ -64,4 +64,14 @@ def test_four_learners_write_to_one_replay_rank_and_nothing_is_lost(tmp_path, ti
     assert summary["roles"] == {"0": "replay", **{str(rank): "learner" for rank in range(1, 5)}}
     assert summary["frames_collected"] == 4096
     assert summary["replay_size"] == 4096  # every learner's writes, none overwritten
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+
+
+def test_two_replay_shards_through_fabric_run(tmp_path, tiny):
+    summary = read_summary(fabric_run(4, *tiny, "replay.ranks=2", f"run_dir={tmp_path / 'run'}"))
+    assert summary["roles"] == {"0": "replay", "1": "replay", "2": "learner", "3": "learner"}
+    assert summary["frames_collected"] == summary["replay_size"] == 3072
+    # Each learner's 6 batches of 256 frames alternate between the shards.
+    assert summary["replay_shard_sizes"] == [1536, 1536]
+    assert summary["updates"] == 20 and summary["stale_priority_updates"] == 0
     assert len(set(summary["learner_param_checksums"].values())) == 1

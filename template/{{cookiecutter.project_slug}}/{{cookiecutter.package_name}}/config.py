@@ -40,6 +40,7 @@ class ReplayConfig:
     capacity: int = MISSING
     alpha: float = MISSING
     beta: float = MISSING
+    batches_per_request: int = MISSING
 
 
 @dataclass
@@ -127,6 +128,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.replay.ranks < 0:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
+    if cfg.replay.batches_per_request < 1:
+        raise ConfigError(f"replay.batches_per_request must be >= 1, got {cfg.replay.batches_per_request}")
     batch_size = getattr(cfg.algo, "batch_size", 0)
     if batch_size > cfg.replay.capacity:
         raise ConfigError(f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})")

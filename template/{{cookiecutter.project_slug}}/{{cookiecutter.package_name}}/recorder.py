@@ -79,6 +79,7 @@ class Recorder:
             "roles": self.topology.roles,
             "frames_collected": frames,
             "replay_size": sum(shard["size"] for shard in shards),
+            "replay_shard_sizes": [shard["size"] for shard in shards],
             "stale_priority_updates": sum(shard["stale_updates"] for shard in shards),
             "updates": updates,
             "learner_param_checksums": {

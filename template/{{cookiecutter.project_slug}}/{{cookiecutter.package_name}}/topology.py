@@ -1,8 +1,9 @@
 """Who does what: replay ranks, learner ranks, the learners' process group, the RPC world.
 
-Replay ranks come first (0 .. R-1), learners after them. Rank 0 also keeps the run's
-records (metrics, summary.json), whatever its role. Objects a rank serves over RPC are
-registered with ``host`` and reached from any rank through ``handle``.
+Replay ranks come first (0 .. R-1), each hosting one replay shard; learners after them.
+Rank 0 also keeps the run's records (metrics, summary.json), whatever its role. Objects a
+rank serves over RPC are registered with ``host`` and reached from any rank through
+``handle``.
 """
 
 from __future__ import annotations
@@ -42,9 +43,6 @@ class Topology:
             raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several ranks")
         if world_size - replay < 1:
             raise ConfigError(f"replay.ranks={replay} leaves no learner rank among {world_size} ranks")
-        if replay > 1:
-            # Several shards need sampling across shards by their priority mass: not built yet.
-            raise ConfigError(f"replay.ranks={replay}: one replay rank is supported for now")
         return cls(rank, world_size, tuple(range(replay)), tuple(range(replay, world_size)))
 
     @property
