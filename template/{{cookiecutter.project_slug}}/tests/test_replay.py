@@ -7,11 +7,23 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 
 from {{ cookiecutter.package_name }}.replay import GENERATION, SHARD, WEIGHT, ReplayClient, ReplayShard
-from {{ cookiecutter.package_name }}.topology import LocalRef
+from {{ cookiecutter.package_name }}.topology import (
+    LocalRef,
+    Topology,
+    bind_to_loopback_unless_named,
+    connect,
+    disconnect,
+    handle,
+    host,
+)
+
+from .conftest import free_port
 
 ALPHA, BETA = 0.7, 0.5
 
@@ -170,3 +182,29 @@ def test_sampling_across_shards_matches_one_buffer_with_the_same_contents():
     # Importance weights are normalised over all shards, as one buffer normalises them.
     for row in draws[:2000]:
         assert float(row[WEIGHT]) == pytest.approx(reference_weight[int(row["observation"])], rel=1e-4)
+
+
+def surface_a_remote_error(rank: int, ports: tuple[int, int], result: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
+    plan = Topology.plan(world_size=2, rank=rank, replay_ranks=1, uses_replay=True)
+    if plan.role == "replay":
+        host("replay", ReplayShard(100, ALPHA, BETA, "td_error"))
+    connect(plan, "127.0.0.1", ports[1], timeout_s=60)
+    if plan.role == "learner":
+        client = ReplayClient([handle(plan, 0, "replay")], batch_size=8, beta=BETA)
+        client.extend(transitions(0, 10))
+        client.extend(TensorDict({"observation": torch.zeros(10, 3)}, [10]))  # the wrong shape
+        try:
+            client.flush()
+        except Exception as error:  # the replay rank's error, carried back by the future
+            result["error"] = str(error)
+    disconnect(plan)
+    dist.destroy_process_group()
+
+
+def test_an_error_on_the_replay_rank_surfaces_on_the_learner():
+    bind_to_loopback_unless_named("127.0.0.1")
+    with mp.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(surface_a_remote_error, args=((free_port(), free_port()), result), nprocs=2)
+        assert "shape" in result.get("error", ""), dict(result)
