@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from {{ cookiecutter.package_name }}.collector import make_collector, make_env
+from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
 from {{ cookiecutter.package_name }}.recipes import dqn
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
@@ -13,7 +13,7 @@ def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
     torch.manual_seed(0)
     env = make_env("CartPole-v1", num_envs=4, seed=0)
     agent = dqn.Agent(dqn.Config(hidden_sizes=[16], batch_size=16), env)
-    collector = make_collector(
+    collector = VectorCollector(
         env, agent.policy, frames_per_batch=64, total_frames=64, device=torch.device("cpu")
     )
     frames = next(iter(collector)).reshape(-1)

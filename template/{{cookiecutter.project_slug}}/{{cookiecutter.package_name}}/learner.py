@@ -16,7 +16,7 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
-from .collector import make_collector, make_env
+from .collector import VectorCollector, make_env
 from .evaluation import evaluate
 from .replay import ReplayClient
 from .topology import Topology
@@ -54,7 +54,7 @@ def train(
 
     frames_per_step = cfg.collector.frames_per_batch * learners
     steps = math.ceil(cfg.total_frames / frames_per_step)
-    collector = make_collector(
+    collector = VectorCollector(
         env,
         agent.policy,
         cfg.collector.frames_per_batch,
