@@ -31,33 +31,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_command(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def command_env() -> dict[str, str]:
     # Scripts under benchmarks/ import the package as an installed project would.
     pythonpath = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
-    return subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
+
+
+def run_command(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=PROJECT, env=command_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def fabric_command(devices: int, *arguments: str, main_port: int | None = None) -> list[str]:
+    """``fabric run`` on CPU with gloo; ``arguments`` are launcher options, then ``train.py``
+    and its overrides. c10d and RPC get free ports unless given."""
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
+    launcher = ["run", "--accelerator", "cpu", "--strategy", "ddp", "--devices", str(devices)]
+    launcher += ["--main-port", str(main_port or free_port())]
+    return [fabric, *launcher, *arguments]
 
 
 def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``fabric run`` on CPU with gloo, on free ports (c10d on one, RPC on the next)."""
-    port = free_port()
-    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
-    command = [
-        fabric,
-        "run",
-        "--accelerator",
-        "cpu",
-        "--strategy",
-        "ddp",
-        "--devices",
-        str(devices),
-        "--main-port",
-        str(port),
-        "train.py",
-        f"rpc.port={free_port()}",
-        *overrides,
-    ]
-    return run_command(command, timeout)
+    return run_command(fabric_command(devices, "train.py", f"rpc.port={free_port()}", *overrides), timeout)
 
 
 def read_summary(result: subprocess.CompletedProcess) -> dict:

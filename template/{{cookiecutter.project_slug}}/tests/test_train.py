@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 
-from .conftest import fabric_run, free_port, read_summary, run_command
+from .conftest import PROJECT, command_env, fabric_command, fabric_run, free_port, read_summary, run_command
 
 
 def test_single_process_run_writes_its_records(tmp_path, tiny):
@@ -74,4 +75,37 @@ def test_two_replay_shards_through_fabric_run(tmp_path, tiny):
     # Each learner's 6 batches of 256 frames alternate between the shards.
     assert summary["replay_shard_sizes"] == [1536, 1536]
     assert summary["updates"] == 20 and summary["stale_priority_updates"] == 0
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+
+
+def test_two_nodes_on_localhost(tmp_path, tiny):
+    """The multi-node command shape: one launcher per node, node ranks 0 and 1, one main
+    address and port (here both nodes are this machine)."""
+    main_port, rpc_port = free_port(), free_port()
+    launchers = [
+        subprocess.Popen(
+            fabric_command(
+                2,
+                *("--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1"),
+                *("train.py", f"rpc.port={rpc_port}", *tiny, f"run_dir={tmp_path / 'run'}"),
+                main_port=main_port,
+            ),
+            cwd=PROJECT,
+            env=command_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [launcher.communicate(timeout=300) for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()  # a no-op once it has exited
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[1][1][-3000:]
+    summary = read_summary(subprocess.CompletedProcess([], 0, *outputs[0]))
+    assert summary["world_size"] == 4
+    assert summary["roles"] == {"0": "replay", "1": "learner", "2": "learner", "3": "learner"}
+    assert summary["frames_collected"] == summary["replay_size"] == 3072
     assert len(set(summary["learner_param_checksums"].values())) == 1
