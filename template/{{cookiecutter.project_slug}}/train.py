@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }} import config, learner, recipes, topology
@@ -55,15 +55,21 @@ def main(argv: list[str]) -> int:
         return 0
 
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
-    fabric = Fabric(
-        **fabric_arguments(cfg),
-        loggers=CSVLogger(cfg.run_dir, name="", version="", flush_logs_every_n_steps=1),
-    )
+    fabric = Fabric(**fabric_arguments(cfg), loggers=make_loggers(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
         run(fabric, cfg, recipe)  # `fabric run` already started the ranks; Fabric forbids launch()
     else:
         fabric.launch(run, cfg, recipe)
     return 0
+
+
+def make_loggers(cfg: DictConfig) -> list:
+    """Fabric's loggers named in ``cfg.loggers``, all writing straight into run_dir."""
+    makers = {
+        "csv": lambda: CSVLogger(cfg.run_dir, name="", version="", flush_logs_every_n_steps=1),
+        "tensorboard": lambda: TensorBoardLogger(cfg.run_dir, name="", version="", default_hp_metric=False),
+    }
+    return [makers[name]() for name in cfg.loggers]
 
 
 def fabric_arguments(cfg: DictConfig) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -54,6 +55,14 @@ def fabric_command(devices: int, *arguments: str, main_port: int | None = None) 
 
 def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_command(fabric_command(devices, "train.py", f"rpc.port={free_port()}", *overrides), timeout)
+
+
+def load_train_module():
+    """train.py as a module, for tests that call its functions."""
+    spec = importlib.util.spec_from_file_location("train", PROJECT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_summary(result: subprocess.CompletedProcess) -> dict:

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.topology import Topology
 
-from .conftest import PROJECT
-
-
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("train", PROJECT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from .conftest import load_train_module
 
 train = load_train_module()
 
@@ -48,6 +38,7 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
         (["fabric.devices=2", "replay.ranks=0"], "replay.ranks must be >= 1 for a replay recipe"),
         (["fabric.devices=2", "replay.ranks=2"], "replay.ranks=2 leaves no learner rank among 2 ranks"),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
+        (["loggers=[csv,wandb]"], "unknown logger 'wandb' in loggers (choose from csv, tensorboard)"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         (["replay.capacity=10"], "exceeds replay.capacity"),
         (["total_frames"], "expected key=value"),

@@ -11,13 +11,17 @@ from .conftest import PROJECT, command_env, fabric_command, fabric_run, free_por
 
 def test_single_process_run_writes_its_records(tmp_path, tiny):
     run_dir = tmp_path / "run"
-    result = run_command([sys.executable, "train.py", *tiny, f"run_dir={run_dir}"])
+    result = run_command(
+        [sys.executable, "train.py", *tiny, "loggers=[csv,tensorboard]", f"run_dir={run_dir}"]
+    )
     summary = read_summary(result)
     assert summary["world_size"] == 1 and summary["roles"] == {"0": "learner"}
     assert summary["frames_collected"] == summary["replay_size"] == 3072
     # 12 steps of 256 frames; updates start at 1024 frames (step 4): 9 steps of 4 updates.
     assert summary["updates"] == 36 and summary["eval_episodes"] >= 10
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    assert (run_dir / "learning_curve.png").read_bytes().startswith(b"\x89PNG")
 
 
 def check_three_rank_summary(summary: dict) -> None:

@@ -18,6 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import recipes
 
+LOGGERS = ("csv", "tensorboard")
+
 
 class ConfigError(ValueError):
     """A problem with the user's configuration, reported as one line."""
@@ -72,6 +74,8 @@ class RunConfig:
     run_dir: str = MISSING
     threads: int | None = None
     log_every: int = MISSING
+    loggers: list[str] = MISSING
+    progress: bool = MISSING
     env: EnvConfig = field(default_factory=EnvConfig)
     collector: CollectorConfig = field(default_factory=CollectorConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -133,6 +137,9 @@ def validate(cfg: DictConfig) -> None:
     batch_size = getattr(cfg.algo, "batch_size", 0)
     if batch_size > cfg.replay.capacity:
         raise ConfigError(f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})")
+    unknown = sorted(set(cfg.loggers) - set(LOGGERS))
+    if unknown:
+        raise ConfigError(f"unknown logger '{unknown[0]}' in loggers (choose from {', '.join(LOGGERS)})")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
     if cfg.env.id not in gym.registry:

@@ -53,7 +53,7 @@ def train(
         )
 
     frames_per_step = cfg.collector.frames_per_batch * learners
-    steps = math.ceil(cfg.total_frames / frames_per_step)
+    steps = planned_frames(cfg, learners) // frames_per_step
     collector = VectorCollector(
         env,
         agent.policy,
@@ -111,6 +111,12 @@ def train(
         "param_checksum": sum(p.detach().double().sum() for p in agent.parameters()).item(),
         "eval_returns": greedy_returns(),
     }
+
+
+def planned_frames(cfg: DictConfig, learners: int) -> int:
+    """``total_frames`` rounded up to whole collector steps of all learners."""
+    frames_per_step = cfg.collector.frames_per_batch * learners
+    return math.ceil(cfg.total_frames / frames_per_step) * frames_per_step
 
 
 def crossed(frames: int, step: int, every: int) -> bool:

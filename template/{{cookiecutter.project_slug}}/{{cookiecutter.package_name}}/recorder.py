@@ -1,8 +1,9 @@
-"""The run's records, kept by rank 0: resolved config, metrics, summary.json.
+"""The run's records, kept by rank 0: resolved config, metrics, progress, summary.json and
+the learning curve.
 
 Learners report to it over RPC (or directly, in a one-process run). Metrics reported for
 the same step by every learner are merged into one row: rates are summed over learners,
-everything else is averaged.
+everything else is averaged. The row goes to Fabric's loggers and the progress bar.
 """
 
 from __future__ import annotations
@@ -12,27 +13,46 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
+from .learner import planned_frames
+from .plots import learning_curve
 from .topology import Topology
 
 SUMMED = ("frames_per_s",)
 
 
 class Recorder:
-    def __init__(self, fabric: Fabric, cfg: DictConfig, topology: Topology) -> None:
+    def __init__(
+        self, fabric: Fabric, cfg: DictConfig, topology: Topology, progress_stream: TextIO | None = None
+    ) -> None:
+        """``progress_stream``: where the progress bar goes; by default standard error,
+        and only when that is a terminal (logs of batch jobs stay free of it)."""
         self.fabric = fabric
         self.topology = topology
+        self.title = f"{cfg.recipe} on {cfg.env.id}, seed {cfg.seed}"
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Open the metrics file first: Fabric's CSV logger warns about any folder that
+        # Open the metrics files first: Fabric's CSV logger warns about any folder that
         # already holds files when it starts.
-        fabric.logger.experiment  # noqa: B018
+        for logger in fabric.loggers:
+            logger.experiment  # noqa: B018
         OmegaConf.save(cfg, self.run_dir / "config.yaml")
         self.started = time.monotonic()
+        self.progress = tqdm(
+            total=planned_frames(cfg, len(topology.learner_ranks)),
+            unit="frame",
+            unit_scale=True,
+            dynamic_ncols=True,
+            file=progress_stream,
+            disable=not cfg.progress or (None if progress_stream is None else False),
+        )
+        self.latest: dict[str, float] = {}
+        self.train_history: list[tuple[int, float]] = []
         self.eval_history: list[dict[str, float]] = []
         self._pending: dict[int, list[dict[str, float]]] = {}
         self._finished: dict[int, dict[str, Any]] = {}
@@ -52,7 +72,18 @@ class Recorder:
                 self.eval_history.append(
                     {"frames": step, "wall_s": self.elapsed(), "eval_return": merged["eval_return"]}
                 )
+            if "train_return" in merged:
+                self.train_history.append((step, merged["train_return"]))
             self.fabric.log_dict(merged, step=step)
+            self.show_progress(step, merged)
+
+    def show_progress(self, frames: int, row: dict[str, float]) -> None:
+        self.latest.update(row)
+        names = {"frames_per_s": "frames/s", "updates_per_s": "updates/s", "train_return": "return"}
+        names["eval_return"] = "eval"
+        shown = {label: f"{self.latest[key]:.4g}" for key, label in names.items() if key in self.latest}
+        self.progress.set_postfix(shown, refresh=False)
+        self.progress.update(max(0, frames - self.progress.n))
 
     def finish(self, rank: int, stats: dict[str, Any]) -> None:
         """A learner's final statistics; the last one releases ``wait_for_learners``."""
@@ -93,8 +124,12 @@ class Recorder:
             "train_s": train_s,
             "wall_s": self.elapsed(),
         }
+        self.progress.close()
         for logger in self.fabric.loggers:
             logger.finalize("success")
+        evaluations = [(row["frames"], row["eval_return"]) for row in self.eval_history]
+        evaluations.append((frames, summary["eval_return"]))
+        learning_curve(self.run_dir / "learning_curve.png", self.train_history, evaluations, self.title)
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
         return path

@@ -1,0 +1,43 @@
+"""Rank 0's records: the progress bar and the learning curve."""
+
+from __future__ import annotations
+
+import io
+
+from lightning.fabric import Fabric
+
+from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.recorder import Recorder
+from {{ cookiecutter.package_name }}.topology import Topology
+
+from .conftest import load_train_module
+
+train = load_train_module()
+
+
+def make_recorder(tmp_path, stream: io.StringIO, *overrides: str) -> Recorder:
+    cfg = config.load([f"run_dir={tmp_path}", "total_frames=1000", *overrides], train.DEFAULTS)
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=train.make_loggers(cfg))
+    plan = Topology.plan(world_size=1, rank=0, replay_ranks=1, uses_replay=True)
+    return Recorder(fabric, cfg, plan, progress_stream=stream)
+
+
+def test_progress_bar_shows_frames_rates_and_returns(tmp_path):
+    stream = io.StringIO()
+    recorder = make_recorder(tmp_path, stream)
+    recorder.report(512, {"frames_per_s": 1234.0, "updates_per_s": 56.0, "train_return": 21.5})
+    recorder.report(512, {"eval_return": 99.0})
+    recorder.progress.refresh()
+    shown = stream.getvalue().split("\r")[-1]
+    # 1000 frames round up to 4 collector steps of 256 frames.
+    assert "512/1.02k" in shown, shown
+    assert "frames/s=1234" in shown and "updates/s=56" in shown
+    assert "return=21.5" in shown and "eval=99" in shown
+
+
+def test_progress_bar_can_be_turned_off(tmp_path):
+    stream = io.StringIO()
+    recorder = make_recorder(tmp_path, stream, "progress=false")
+    recorder.report(512, {"frames_per_s": 1.0})
+    recorder.progress.refresh()
+    assert stream.getvalue() == ""
