@@ -41,6 +41,7 @@ def test_defaults(cookies):
     assert record["project_name"] == "My RL Project" and record["package_name"] == "my_rl_project"
     assert (project / ".pre-commit-config.yaml").is_file()
     assert "pytest" in (project / ".github" / "workflows" / "tests.yml").read_text()
+    assert "def main" in (project / "evaluate.py").read_text()
     slurm = project / "slurm.sh"
     assert slurm.stat().st_mode & 0o111, "slurm.sh must stay executable"
     assert "#SBATCH --job-name=my-rl-project" in slurm.read_text()

@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package_name }} import config, learner, recipes, topology
+from {{ cookiecutter.package_name }} import config, learner, logs, recipes, topology
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 
@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
 
+    logs.setup(logs.launcher_rank())
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
     fabric = Fabric(**fabric_arguments(cfg), loggers=make_loggers(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
@@ -95,6 +96,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
     plan = topology.Topology.plan(
         fabric.world_size, fabric.global_rank, cfg.replay.ranks, recipe.Agent.uses_replay
     )
+    logs.setup(plan.rank, plan.role)
     torch.set_num_threads(cfg.threads or threads_per_rank(fabric, plan))
 
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.

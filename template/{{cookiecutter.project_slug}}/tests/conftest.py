@@ -57,10 +57,11 @@ def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subproces
     return run_command(fabric_command(devices, "train.py", f"rpc.port={free_port()}", *overrides), timeout)
 
 
-def load_train_module():
-    """train.py as a module, for tests that call its functions."""
-    spec = importlib.util.spec_from_file_location("train", PROJECT / "train.py")
+def load_script(name: str):
+    """A script of the project root (train, evaluate) as a module, for tests that call it."""
+    spec = importlib.util.spec_from_file_location(name, PROJECT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 

@@ -7,9 +7,9 @@ import pytest
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.topology import Topology
 
-from .conftest import load_train_module
+from .conftest import load_script
 
-train = load_train_module()
+train = load_script("train")
 
 
 def test_overrides_reach_nested_and_recipe_keys():

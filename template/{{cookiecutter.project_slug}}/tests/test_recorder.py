@@ -10,9 +10,9 @@ from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.topology import Topology
 
-from .conftest import load_train_module
+from .conftest import load_script
 
-train = load_train_module()
+train = load_script("train")
 
 
 def make_recorder(tmp_path, stream: io.StringIO, *overrides: str) -> Recorder:

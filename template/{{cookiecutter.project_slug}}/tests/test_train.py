@@ -6,6 +6,9 @@ import math
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from .conftest import PROJECT, command_env, fabric_command, fabric_run, free_port, read_summary, run_command
 
 
@@ -21,7 +24,16 @@ def test_single_process_run_writes_its_records(tmp_path, tiny):
     assert summary["updates"] == 36 and summary["eval_episodes"] >= 10
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    assert summary["checkpoint"] == str(run_dir / "checkpoints" / "final.pt")
+    assert (run_dir / "checkpoints" / "final.pt").is_file()
     assert (run_dir / "learning_curve.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_single_process_run_on_a_gpu(tmp_path, tiny):
+    command = [sys.executable, "train.py", "fabric.accelerator=cuda", *tiny, f"run_dir={tmp_path / 'run'}"]
+    summary = read_summary(run_command(command))
+    assert summary["frames_collected"] == summary["replay_size"] == 3072
 
 
 def check_three_rank_summary(summary: dict) -> None:
@@ -42,7 +54,11 @@ def check_three_rank_summary(summary: dict) -> None:
 
 
 def test_three_ranks_through_fabric_run(tmp_path, tiny):
-    check_three_rank_summary(read_summary(fabric_run(3, *tiny, f"run_dir={tmp_path / 'run'}")))
+    result = fabric_run(3, *tiny, f"run_dir={tmp_path / 'run'}")
+    check_three_rank_summary(read_summary(result))
+    # Rank 0 logs with its rank in front; the others keep their information to themselves.
+    assert "[rank 0] INFO lightning.fabric" in result.stderr, result.stderr[-3000:]
+    assert "GLOBAL_RANK: 1" not in result.stderr and "GLOBAL_RANK: 2" not in result.stderr
 
 
 def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):

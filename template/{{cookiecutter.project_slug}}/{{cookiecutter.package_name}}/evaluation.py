@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import gymnasium as gym
 import torch
 from tensordict.nn import TensorDictModuleBase
+from torchrl.envs import GymWrapper, RewardSum
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from .collector import make_env
@@ -28,3 +32,33 @@ def evaluate(
     # Each env's first episode ends at its first done (or is cut at max_steps).
     last = torch.where(done.any(-1), done.float().argmax(-1), done.shape[-1] - 1)
     return returns.gather(-1, last.unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def record(policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, folder: Path) -> list[float]:
+    """Returns of ``episodes`` greedy episodes played one at a time, each recorded to an
+    mp4 in ``folder`` by gymnasium's ``RecordVideo`` (needs moviepy, and pygame for the
+    classic-control environments)."""
+    # Off-screen rendering needs no display: without these, pygame greets on stdout and SDL
+    # complains about the missing display on headless machines.
+    os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
+    recorder = gym.wrappers.RecordVideo(
+        gym.make(env_id, render_mode="rgb_array"),
+        str(folder),
+        # Episode 0 is the reset with which torchrl seeds the env: not an episode played.
+        episode_trigger=lambda episode: episode > 0,
+        name_prefix=env_id,
+        disable_logger=True,
+    )
+    env = GymWrapper(recorder).append_transform(RewardSum())
+    env.set_seed(seed)
+    max_steps = gym.spec(env_id).max_episode_steps or MAX_EPISODE_STEPS
+    returns = []
+    try:
+        with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+            for _ in range(episodes):
+                rollout = env.rollout(max_steps, policy)
+                returns.append(float(rollout["next", "episode_reward"][-1]))
+    finally:
+        env.close()
+    return returns

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -16,6 +17,7 @@ from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
 
+from . import checkpoint
 from .collector import VectorCollector, make_env
 from .evaluation import evaluate
 from .replay import ReplayClient
@@ -104,13 +106,16 @@ def train(
     for report in reports:
         report.wait()
 
-    return {
+    stats = {
         "frames": steps * cfg.collector.frames_per_batch,
         "updates": updates,
         "train_s": train_s,
         "param_checksum": sum(p.detach().double().sum() for p in agent.parameters()).item(),
         "eval_returns": greedy_returns(),
     }
+    if index == 0:  # the learners' weights are identical: one of them saves
+        stats["checkpoint"] = str(checkpoint.save_agent(Path(cfg.run_dir) / checkpoint.FINAL, cfg, agent))
+    return stats
 
 
 def planned_frames(cfg: DictConfig, learners: int) -> int:

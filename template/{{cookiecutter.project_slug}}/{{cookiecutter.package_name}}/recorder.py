@@ -123,6 +123,7 @@ class Recorder:
             "updates_per_s": updates / train_s,
             "train_s": train_s,
             "wall_s": self.elapsed(),
+            "checkpoint": learners[0]["checkpoint"],
         }
         self.progress.close()
         for logger in self.fabric.loggers:

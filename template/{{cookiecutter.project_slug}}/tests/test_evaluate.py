@@ -1,0 +1,58 @@
+"""evaluate.py: greedy returns of a saved agent, their JSON record, and videos."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from {{ cookiecutter.package_name }} import checkpoint, config
+from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.recipes import dqn
+
+from .conftest import load_script
+
+train = load_script("train")
+evaluate = load_script("evaluate")
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    cfg = config.load([f"run_dir={tmp_path}", "algo.hidden_sizes=[16]"], train.DEFAULTS)
+    agent = dqn.Agent(dqn.Config(hidden_sizes=[16]), make_env("CartPole-v1", 2, seed=0))
+    checkpoint.save_agent(tmp_path / checkpoint.FINAL, cfg, agent)
+    return tmp_path
+
+
+def test_evaluate_prints_and_records_mean_and_spread(run_dir, capsys):
+    assert evaluate.main([f"checkpoint={run_dir}", "episodes=5", "seed=3"]) == 0
+    record = json.loads((run_dir / "evaluation.json").read_text())
+    assert record["episodes"] == len(record["returns"]) == 5
+    assert record["mean_return"] == pytest.approx(statistics.fmean(record["returns"]))
+    assert record["std_return"] == pytest.approx(statistics.pstdev(record["returns"]))
+    assert all(value >= 1 for value in record["returns"])  # every CartPole episode lasts a step
+    assert "over 5 episodes" in capsys.readouterr().out
+
+
+def test_video_records_one_file_per_episode(run_dir):
+    file = run_dir / checkpoint.FINAL
+    assert evaluate.main([f"checkpoint={file}", "episodes=2", "video=true"]) == 0
+    videos = sorted((run_dir / "videos").glob("*.mp4"))
+    assert len(videos) == 2 and all(video.stat().st_size > 0 for video in videos)
+    assert json.loads((run_dir / "evaluation.json").read_text())["episodes"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["checkpoint=/nonexistent"], "no checkpoint at /nonexistent"),
+        (["episodes=3"], "usage: python evaluate.py"),
+        (["checkpoint=x", "episodes=0"], "episodes must be > 0, got 0"),
+        (["checkpoint=x", "frames=3"], "frames"),
+    ],
+)
+def test_bad_input_is_one_error_line(argv, message, capsys):
+    assert evaluate.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
