@@ -6,6 +6,7 @@ the agent's weights, so it can be rebuilt without the run's config file.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -53,6 +54,6 @@ def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
     try:
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         recipe = recipes.load(state["recipe"])
-    except (OSError, RuntimeError, KeyError, ValueError) as error:
+    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError, ValueError) as error:
         raise ConfigError(f"cannot read checkpoint {checkpoint}: {error}") from None
     return state, recipe

@@ -24,6 +24,13 @@ from .plots import learning_curve
 from .topology import Topology
 
 SUMMED = ("frames_per_s",)
+# Metrics the progress bar shows, and its labels for them.
+PROGRESS = {
+    "frames_per_s": "frames/s",
+    "updates_per_s": "updates/s",
+    "train_return": "return",
+    "eval_return": "eval",
+}
 
 
 class Recorder:
@@ -43,13 +50,19 @@ class Recorder:
             logger.experiment  # noqa: B018
         OmegaConf.save(cfg, self.run_dir / "config.yaml")
         self.started = time.monotonic()
+        if not cfg.progress:
+            hidden = True
+        elif progress_stream is None:
+            hidden = None  # tqdm hides the bar unless standard error is a terminal
+        else:
+            hidden = False
         self.progress = tqdm(
             total=planned_frames(cfg, len(topology.learner_ranks)),
             unit="frame",
             unit_scale=True,
             dynamic_ncols=True,
             file=progress_stream,
-            disable=not cfg.progress or (None if progress_stream is None else False),
+            disable=hidden,
         )
         self.latest: dict[str, float] = {}
         self.train_history: list[tuple[int, float]] = []
@@ -79,9 +92,7 @@ class Recorder:
 
     def show_progress(self, frames: int, row: dict[str, float]) -> None:
         self.latest.update(row)
-        names = {"frames_per_s": "frames/s", "updates_per_s": "updates/s", "train_return": "return"}
-        names["eval_return"] = "eval"
-        shown = {label: f"{self.latest[key]:.4g}" for key, label in names.items() if key in self.latest}
+        shown = {label: f"{self.latest[key]:.4g}" for key, label in PROGRESS.items() if key in self.latest}
         self.progress.set_postfix(shown, refresh=False)
         self.progress.update(max(0, frames - self.progress.n))
 
