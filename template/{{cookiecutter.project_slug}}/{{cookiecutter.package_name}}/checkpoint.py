@@ -53,7 +53,13 @@ def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
     """The saved state and its recipe module."""
     try:
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        recipe = recipes.load(state["recipe"])
-    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError, ValueError) as error:
-        raise ConfigError(f"cannot read checkpoint {checkpoint}: {error}") from None
-    return state, recipe
+        name = state["recipe"]
+    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as error:
+        kind = type(error).__name__
+        raise ConfigError(
+            f"cannot read checkpoint {checkpoint} ({kind}): not an agent train.py saved"
+        ) from None
+    try:
+        return state, recipes.load(name)
+    except ValueError as error:
+        raise ConfigError(f"checkpoint {checkpoint}: {error}") from None
