@@ -32,7 +32,7 @@ demo: install
 		% (s["eval_return"], s["eval_episodes"], s["frames_collected"], s["wall_s"])); \
 		print("best evaluation %.1f at %d frames" % (best["eval_return"], best["frames"]))' \
 		$(DEMO_RUN)/summary.json
-	@echo "results: $(DEMO_RUN) (summary.json, metrics.csv, config.yaml)"
+	@echo "results: $(DEMO_RUN) (summary.json, metrics.csv, learning_curve.png, checkpoints/final.pt)"
 
 test: install
 	$(BIN)/python -m pytest
