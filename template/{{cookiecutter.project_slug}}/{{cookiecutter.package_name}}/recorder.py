@@ -24,12 +24,12 @@ from .plots import learning_curve
 from .topology import Topology
 
 SUMMED = ("frames_per_s",)
-# Metrics the progress bar shows, and its labels for them.
+# Metrics the progress bar shows: their labels and formats.
 PROGRESS = {
-    "frames_per_s": "frames/s",
-    "updates_per_s": "updates/s",
-    "train_return": "return",
-    "eval_return": "eval",
+    "frames_per_s": ("frames/s", ".0f"),
+    "updates_per_s": ("updates/s", ".0f"),
+    "train_return": ("return", ".1f"),
+    "eval_return": ("eval", ".1f"),
 }
 
 
@@ -92,7 +92,11 @@ class Recorder:
 
     def show_progress(self, frames: int, row: dict[str, float]) -> None:
         self.latest.update(row)
-        shown = {label: f"{self.latest[key]:.4g}" for key, label in PROGRESS.items() if key in self.latest}
+        shown = {
+            label: format(self.latest[key], spec)
+            for key, (label, spec) in PROGRESS.items()
+            if key in self.latest
+        }
         self.progress.set_postfix(shown, refresh=False)
         self.progress.update(max(0, frames - self.progress.n))
 
