@@ -65,16 +65,9 @@ class ReplayShard:
             if current.any():
                 self.buffer.update_tensordict_priority(priorities[current])
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, int]:
         with self._lock:
-            total, lowest = self._mass()
-            return {
-                "size": len(self.buffer),
-                "inserted": self.inserted,
-                "stale_updates": self.stale_updates,
-                "priority_sum": total,
-                "priority_min": lowest,
-            }
+            return {"size": len(self.buffer), "inserted": self.inserted, "stale_updates": self.stale_updates}
 
     def _mass(self) -> tuple[float, float]:
         # torchrl keeps the sum and the minimum of the (transformed) priorities in its
