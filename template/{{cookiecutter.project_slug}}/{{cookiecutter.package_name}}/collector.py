@@ -18,7 +18,8 @@ def make_env(env_id: str, num_envs: int, seed: int, device: torch.device | str =
 
     gymnasium's synchronous vector env avoids the subprocesses of ``GymEnv(num_envs=N)``,
     which are slower for cheap environments; torchrl accepts only same-step autoreset.
-    ``RewardSum`` adds ``episode_reward`` so returns can be read off any rollout.
+    ``RewardSum`` (see ``as_torchrl``) adds ``episode_reward`` so returns can be read off
+    any rollout.
     """
     vector_env = gym.make_vec(
         env_id,
@@ -26,8 +27,14 @@ def make_env(env_id: str, num_envs: int, seed: int, device: torch.device | str =
         vectorization_mode="sync",
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
     )
-    env = GymWrapper(vector_env, device=device)  # already a TransformedEnv: append to it
-    env.append_transform(RewardSum())
+    return as_torchrl(vector_env, seed, device)
+
+
+def as_torchrl(gym_env: gym.Env, seed: int, device: torch.device | str = "cpu") -> EnvBase:
+    """A gymnasium env as a seeded torchrl env with ``episode_reward``."""
+    # A wrapped vector env is already a TransformedEnv and appends in place; any other env
+    # comes back wrapped in a new one: use what append_transform returns.
+    env = GymWrapper(gym_env, device=device).append_transform(RewardSum())
     env.set_seed(seed)
     return env
 

@@ -8,10 +8,9 @@ from pathlib import Path
 import gymnasium as gym
 import torch
 from tensordict.nn import TensorDictModuleBase
-from torchrl.envs import GymWrapper, RewardSum
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from .collector import make_env
+from .collector import as_torchrl, make_env
 
 MAX_EPISODE_STEPS = 10_000
 
@@ -50,8 +49,7 @@ def record(policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, 
         name_prefix=env_id,
         disable_logger=True,
     )
-    env = GymWrapper(recorder).append_transform(RewardSum())
-    env.set_seed(seed)
+    env = as_torchrl(recorder, seed)
     max_steps = gym.spec(env_id).max_episode_steps or MAX_EPISODE_STEPS
     returns = []
     try:
