@@ -44,8 +44,9 @@ def main(argv: list[str]) -> int:
         args = parse(argv)
         path = checkpoint.locate(args.checkpoint)
         state, recipe = checkpoint.load(path)
-        env = make_env(state["env_id"], args.episodes, args.seed)
-        agent = recipe.Agent(recipe.Config(**state["algo"]), env)
+        specs = make_env(state["env_id"], 1, args.seed)  # what the agent's layers are sized by
+        agent = recipe.Agent(recipe.Config(**state["algo"]), specs)
+        specs.close()
         agent.load_state_dict(state["agent"])
         agent.eval()
         run_dir = checkpoint.run_dir_of(path)
