@@ -8,16 +8,8 @@ from torchrl.collectors import Collector
 from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
 from {{ cookiecutter.package_name }}.recipes import dqn
 
-KEYS = [
-    "observation",
-    "action",
-    ("next", "observation"),
-    ("next", "reward"),
-    ("next", "done"),
-    ("next", "terminated"),
-    ("next", "truncated"),
-    ("next", "episode_reward"),
-]
+# What the recipe trains on, and what the learner reads returns from.
+KEYS = [*dqn.Agent.batch_keys, ("next", "truncated"), ("next", "episode_reward")]
 
 
 def test_batches_match_torchrl_collector_step_for_step():
