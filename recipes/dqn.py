@@ -17,6 +17,12 @@ from torchrl.envs import EnvBase
 from torchrl.modules import MLP, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, HardUpdate
 
+RUN_DEFAULTS = {
+    "env": {"id": "CartPole-v1", "num_envs": 32},
+    "collector": {"frames_per_batch": 256},
+    "total_frames": 100_000,
+}
+
 
 @dataclass
 class Config:
@@ -36,7 +42,6 @@ class Config:
     # Updates between target-network copies: once per collector batch, which is what the
     # SB3 zoo's setting amounts to (its target is refreshed while collecting).
     target_update_period: int = 128
-    double_dqn: bool = False
 
 
 class Agent(nn.Module):
@@ -78,7 +83,6 @@ class Agent(nn.Module):
             self.actor,
             loss_function="smooth_l1",
             delay_value=True,
-            double_dqn=cfg.double_dqn,
             action_space=action_spec,
         )
         self.loss_module.make_value_estimator(gamma=cfg.gamma)
@@ -99,7 +103,7 @@ class Agent(nn.Module):
     def make_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
 
-    def after_collect(self, frames: int) -> None:
+    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Anneal epsilon by the frames all learners collected in this step."""
         self.exploration.step(frames)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,8 +76,8 @@ def test_generated_code_is_lint_clean(cookies):
     [
         ({"package_name": "1bad-name"}, "package_name '1bad-name' is not a valid Python package name"),
         ({"package_name": "class"}, "package_name 'class' is not a valid Python package name"),
-        ({"recipes": "dqn,nosuch"}, "recipes 'dqn,nosuch' must name some of: dqn"),
-        ({"default_recipe": "ppo"}, "default_recipe 'ppo' is not among the chosen recipes"),
+        ({"recipes": "dqn,nosuch"}, "recipes 'dqn,nosuch' must name some of: dqn, ppo, sac"),
+        ({"recipes": "dqn", "default_recipe": "ppo"}, "default_recipe 'ppo' is not among the chosen recipes"),
     ],
 )
 def test_bad_input_fails_cleanly_and_leaves_nothing(tmp_path, context, message):
@@ -91,8 +92,31 @@ def test_bad_input_fails_cleanly_and_leaves_nothing(tmp_path, context, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_one_recipe_project_has_no_trace_of_the_others(cookies):
+    result = cookies.bake(extra_context={"recipes": "ppo", "default_recipe": "ppo"})
+    assert result.exit_code == 0, result.exception
+    project = result.project_path
+    assert sorted(p.name for p in (project / "my_rl_project" / "recipes").glob("*.py")) == [
+        "__init__.py",
+        "ppo.py",
+    ]
+    assert (
+        not (project / "tests" / "test_dqn.py").exists() and not (project / "tests" / "test_sac.py").exists()
+    )
+    assert (project / "tests" / "test_ppo.py").is_file()
+    assert "recipe: ppo" in (project / "config.yaml").read_text()
+    for path in project_files(project):
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            for other in ("dqn", "sac"):
+                assert not re.search(rf"\b{other}\b", text), f"{path.relative_to(project)} mentions {other}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("context", [{}, {"project_name": "Cart Pole Lab"}])
+@pytest.mark.parametrize(
+    "context",
+    [{}, {"project_name": "Cart Pole Lab", "recipes": "ppo", "default_recipe": "ppo"}],
+)
 def test_generated_project_tests_pass(cookies, context):
     result = cookies.bake(extra_context=context)
     assert result.exit_code == 0, result.exception

@@ -13,16 +13,26 @@ from torchrl.envs import GymWrapper
 from .conftest import REPO
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py") if not p.stem.startswith("_"))
-ENV_FOR = {"dqn": "CartPole-v1"}
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_follows_the_interface_and_its_loss_trains(name):
     recipe = importlib.import_module(f"recipes.{name}")
     assert dataclasses.is_dataclass(recipe.Config)
+    defaults = recipe.RUN_DEFAULTS
+    assert set(defaults) == {"env", "collector", "total_frames"}
+    assert defaults["collector"]["frames_per_batch"] % defaults["env"]["num_envs"] == 0
+    fields = {field.name for field in dataclasses.fields(recipe.Config)}
+    needed = (
+        {"batch_size", "updates_per_batch", "learning_starts"}
+        if recipe.Agent.uses_replay
+        else {"epochs", "minibatch_size"}
+    )
+    assert needed <= fields
+
     env = GymWrapper(
         gym.make_vec(
-            ENV_FOR[name],
+            defaults["env"]["id"],
             num_envs=2,
             vectorization_mode="sync",
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
@@ -30,17 +40,23 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     )
     agent = recipe.Agent(recipe.Config(), env)
     assert isinstance(agent, torch.nn.Module)
-    for attribute in ("uses_replay", "batch_keys", "priority_key", "policy"):
+    for attribute in ("policy", "make_optimizer", "after_collect", "after_update"):
         assert hasattr(agent, attribute), attribute
 
-    batch = env.rollout(16, agent.policy).reshape(-1).select(*agent.batch_keys)
-    batch["priority_weight"] = torch.ones(batch.shape)
+    with torch.no_grad():  # as the runtime's collector
+        batch = env.rollout(16, agent.policy, break_when_any_done=False)  # [2 envs, 16 steps]
+    agent.after_collect(batch, 32)
+    batch = batch.reshape(-1)
+    if recipe.Agent.uses_replay:
+        batch = batch.select(*agent.batch_keys)
+        batch["priority_weight"] = torch.ones(batch.shape)
     loss, metrics = agent(batch)
-    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    assert loss.ndim == 0 and torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    if recipe.Agent.uses_replay:
+        assert batch[agent.priority_key].numel() == 32
     optimizer = agent.make_optimizer()
     before = [p.detach().clone() for p in agent.parameters()]
     loss.backward()
     optimizer.step()
     agent.after_update()
-    agent.after_collect(16)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters(), strict=True))

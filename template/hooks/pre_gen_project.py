@@ -7,12 +7,19 @@ the half-written project when it exits non-zero, so one clear line and exit 1 is
 import keyword
 import re
 import sys
+from pathlib import Path
 
 PROJECT_SLUG = "{{ cookiecutter.project_slug }}"
 PACKAGE_NAME = "{{ cookiecutter.package_name }}"
 RECIPES = "{{ cookiecutter.recipes }}"
 DEFAULT_RECIPE = "{{ cookiecutter.default_recipe }}"
-AVAILABLE_RECIPES = ("dqn",)
+# The recipes are the files in the template repository's recipes/ folder (next to the
+# template folder, `_repo_dir`): adding a recipe to the template is adding a file there.
+AVAILABLE_RECIPES = sorted(
+    path.stem
+    for path in (Path("{{ cookiecutter._repo_dir }}").parent / "recipes").glob("*.py")
+    if not path.stem.startswith("_")
+)
 
 
 def fail(message: str) -> None:

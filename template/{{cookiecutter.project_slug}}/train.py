@@ -1,12 +1,13 @@
 """Train an agent: Lightning Fabric starts the ranks, then each rank plays its role.
 
-    python train.py recipe=dqn                     # one process, in-process replay buffer
-    python train.py fabric.devices=3 recipe=dqn    # Fabric starts 3 ranks itself
+    python train.py                                # one process (replay buffer in-process)
+    python train.py fabric.devices=3               # Fabric starts 3 ranks itself
     fabric run --accelerator cpu --strategy ddp --devices 3 train.py recipe=dqn
     python train.py --print-config env.id=Acrobot-v1   # show the resolved config and stop
 
-With several ranks, the first ``replay.ranks`` ranks host the prioritized replay buffer and
-the others are learners (see topology.py). Rank 0 writes the run's records into run_dir.
+With several ranks and a replay recipe, the first ``replay.ranks`` ranks host the
+prioritized replay buffer and the others are learners; with an on-policy recipe every rank
+is a learner (see topology.py). Rank 0 writes the run's records into run_dir.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
     if plan.rank == 0:
         topology.host("recorder", Recorder(fabric, cfg, plan))
-    if plan.rank in plan.shard_ranks:
+    uses_replay = recipe.Agent.uses_replay
+    if uses_replay and plan.rank in plan.shard_ranks:
         shards = len(plan.shard_ranks)
         topology.host(
             "replay",
@@ -117,13 +119,15 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
     learner_group = topology.connect(plan, cfg.rpc.address, cfg.rpc.port, cfg.rpc.timeout)
 
     if plan.role == topology.LEARNER:
-        replay = ReplayClient(
-            [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
-            cfg.algo.batch_size,
-            cfg.replay.beta,
-            cfg.replay.batches_per_request,
-            first_shard=plan.learner_index,
-        )
+        replay = None
+        if uses_replay:
+            replay = ReplayClient(
+                [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
+                cfg.algo.batch_size,
+                cfg.replay.beta,
+                cfg.replay.batches_per_request,
+                first_shard=plan.learner_index,
+            )
         recorder = topology.handle(plan, 0, "recorder")
         stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group)
         recorder.rpc_sync().finish(plan.rank, stats)
@@ -132,7 +136,9 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
     if plan.rank == 0:
         records = topology.hosted("recorder")
         records.wait_for_learners()
-        shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
+        shards = []
+        if uses_replay:
+            shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
         summary = records.close(shards)
     topology.disconnect(plan)
     if summary is not None:

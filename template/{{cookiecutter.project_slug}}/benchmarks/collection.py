@@ -4,7 +4,8 @@
     python benchmarks/collection.py --envs 64 --frames 200000
 
 All step ``--envs`` copies in one synchronous gymnasium vector env and act with the same
-DQN network and epsilon-greedy exploration, in this one process with one torch thread (a
+Q network and epsilon-greedy exploration (the dqn recipe's policy, built here so the
+benchmark runs in a project generated with any recipes), in this one process with one torch thread (a
 learner's share of a 3-rank run on 2 cores). torchrl's own ``Collector`` on the same env
 is measured too, for reference: it is what the project's collector replaces. Prints a
 table and, last, a JSON line.
@@ -18,13 +19,28 @@ import time
 
 import gymnasium as gym
 import torch
+from tensordict.nn import TensorDictModuleBase, TensorDictSequential
+from torch import nn
 from torchrl.collectors import Collector
+from torchrl.modules import MLP, EGreedyModule, QValueActor
 
 from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
-from {{ cookiecutter.package_name }}.recipes import dqn
+
+EPSILON = 0.1
 
 
-def plain_loop(agent: dqn.Agent, env_id: str, num_envs: int, frames: int, epsilon: float) -> float:
+def make_policy(env_id: str, num_envs: int) -> tuple[nn.Module, TensorDictModuleBase]:
+    """A Q network, and the epsilon-greedy torchrl policy around it."""
+    action_spec = make_env(env_id, num_envs, seed=0).action_spec
+    observations = gym.spec(env_id).make().observation_space.shape[0]
+    q_network = MLP(observations, action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU)
+    actor = QValueActor(q_network, in_keys=["observation"], spec=action_spec)
+    return q_network, TensorDictSequential(
+        actor, EGreedyModule(action_spec, eps_init=EPSILON, eps_end=EPSILON)
+    )
+
+
+def plain_loop(q_network: nn.Module, env_id: str, num_envs: int, frames: int, epsilon: float) -> float:
     """Frames/s of a hand-written loop: numpy observations in, one batched forward pass out."""
     envs = gym.make_vec(
         env_id,
@@ -32,7 +48,6 @@ def plain_loop(agent: dqn.Agent, env_id: str, num_envs: int, frames: int, epsilo
         vectorization_mode="sync",
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
     )
-    q_network = agent.actor[0].module
     observations, _ = envs.reset(seed=0)
     started = time.perf_counter()
     for _ in range(frames // num_envs):
@@ -47,16 +62,16 @@ def plain_loop(agent: dqn.Agent, env_id: str, num_envs: int, frames: int, epsilo
     return frames // num_envs * num_envs / elapsed
 
 
-def collector_rate(kind: str, agent: dqn.Agent, env_id: str, num_envs: int, frames: int) -> float:
+def collector_rate(kind: str, policy: TensorDictModuleBase, env_id: str, num_envs: int, frames: int) -> float:
     env = make_env(env_id, num_envs, seed=0)
     frames_per_batch = 32 * num_envs
     total = -(-frames // frames_per_batch) * frames_per_batch  # whole batches
     if kind == "project":
-        collector = VectorCollector(env, agent.policy, frames_per_batch, total, torch.device("cpu"))
+        collector = VectorCollector(env, policy, frames_per_batch, total, torch.device("cpu"))
     else:
         collector = Collector(
             env,
-            agent.policy,
+            policy,
             frames_per_batch=frames_per_batch,
             total_frames=total,
             auto_register_policy_transforms=False,
@@ -83,10 +98,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    agent = dqn.Agent(dqn.Config(eps_init=0.1, eps_end=0.1), make_env(args.env, args.envs, seed=0))
-    plain = plain_loop(agent, args.env, args.envs, args.frames, epsilon=0.1)
-    project = collector_rate("project", agent, args.env, args.envs, args.frames)
-    torchrl = collector_rate("torchrl", agent, args.env, args.envs, args.frames)
+    q_network, policy = make_policy(args.env, args.envs)
+    plain = plain_loop(q_network, args.env, args.envs, args.frames, epsilon=EPSILON)
+    project = collector_rate("project", policy, args.env, args.envs, args.frames)
+    torchrl = collector_rate("torchrl", policy, args.env, args.envs, args.frames)
     print(f"{'setup':<32} {'frames/s':>10} {'vs plain':>9}")
     for name, rate in (
         ("plain gymnasium loop", plain),

@@ -1,7 +1,7 @@
 """End-to-end benchmark: what a replay rank over RPC costs the learner.
 
-    python benchmarks/end_to_end.py                  # dqn, CartPole-v1, 20,000 frames
-    python benchmarks/end_to_end.py --frames 50000 algo.batch_size=128
+    python benchmarks/end_to_end.py                  # the first replay recipe, 20,000 frames
+    python benchmarks/end_to_end.py --recipe dqn --frames 50000 algo.batch_size=128
 
 Runs the same configuration twice: one process with the buffer in-process, then one replay
 rank plus one learner (`python train.py fabric.devices=2`). Compares their ``updates_per_s``
@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT))
+
+from {{ cookiecutter.package_name }} import recipes  # noqa: E402
 
 
 def train(devices: int, args: argparse.Namespace) -> dict:
@@ -43,11 +46,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--recipe", default="dqn")
-    parser.add_argument("--env", default="CartPole-v1")
+    replay_recipes = [name for name in recipes.available() if recipes.load(name).Agent.uses_replay]
+    if not replay_recipes:
+        sys.exit("error: this project has no replay recipe to benchmark")
+    parser.add_argument("--recipe", default=replay_recipes[0], choices=replay_recipes)
+    parser.add_argument("--env", help="default: the recipe's env")
     parser.add_argument("--frames", type=int, default=20_000)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
+    args.env = args.env or recipes.load(args.recipe).RUN_DEFAULTS["env"]["id"]
 
     single = train(1, args)
     remote = train(2, args)

@@ -1,10 +1,12 @@
 """Learning benchmark: does the recipe reach its target return, in how many frames and seconds?
 
-    python benchmarks/learning.py                      # dqn, CartPole-v1, 3 ranks, seeds 1 2 3
-    python benchmarks/learning.py --seeds 1 --frames 50000 algo.lr=1e-3
+    python benchmarks/learning.py --recipe dqn         # 3 ranks, seeds 1 2 3, the recipe's env
+    python benchmarks/learning.py --recipe dqn --seeds 1 --frames 50000 algo.lr=1e-3
 
-Each seed is one `fabric run` on CPU. The run evaluates the greedy policy every
-``--eval-every`` frames; "reached" is the first evaluation at or above ``--target``.
+Each seed is one `fabric run` on CPU with the recipe's defaults: its env and its frame
+budget (``RUN_DEFAULTS``) unless ``--env`` / ``--frames`` say otherwise. The run evaluates
+the greedy policy every ``--eval-every`` frames (default: 20 times per run); "reached" is
+the first evaluation at or above ``--target`` (default: the recipe's target below).
 Prints a table and, last, one JSON line with every figure.
 """
 
@@ -19,6 +21,16 @@ import sys
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT))
+
+from {{ cookiecutter.package_name }} import recipes  # noqa: E402
+
+# Greedy evaluation return each recipe should reach on its default env within its frame budget.
+TARGETS = {
+    "dqn": 475.0,
+    "ppo": 475.0,
+    "sac": -200.0,
+}
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict:
@@ -64,15 +76,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--recipe", default="dqn")
-    parser.add_argument("--env", default="CartPole-v1")
-    parser.add_argument("--frames", type=int, default=100_000)
-    parser.add_argument("--target", type=float, default=475.0)
+    parser.add_argument("--recipe", default="dqn", choices=recipes.available())
+    parser.add_argument("--env")
+    parser.add_argument("--frames", type=int)
+    parser.add_argument("--target", type=float)
     parser.add_argument("--devices", type=int, default=3)
-    parser.add_argument("--eval-every", type=int, default=5_000)
+    parser.add_argument("--eval-every", type=int)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
+    defaults = recipes.load(args.recipe).RUN_DEFAULTS
+    args.env = args.env or defaults["env"]["id"]
+    args.frames = args.frames or defaults["total_frames"]
+    args.eval_every = args.eval_every or args.frames // 20
+    if args.target is None:
+        if args.recipe not in TARGETS:
+            parser.error(f"no target return for recipe {args.recipe!r}: pass --target")
+        args.target = TARGETS[args.recipe]
 
     rows = []
     header = ("seed", "reached", "frames to target", "s to target", "final return", "wall s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -13,17 +14,39 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.package_name }} import recipes
+
 PROJECT = Path(__file__).resolve().parents[1]
+RECIPES = recipes.available()
+REPLAY_RECIPES = [name for name in RECIPES if recipes.load(name).Agent.uses_replay]
+# The runtime's replay tests run with the first replay recipe; a project generated without
+# one has no replay path to test.
+REPLAY_RECIPE = REPLAY_RECIPES[0] if REPLAY_RECIPES else None
+needs_replay = pytest.mark.skipif(REPLAY_RECIPE is None, reason="this project has no replay recipe")
+
 # Tiny settings: enough steps to exercise collection, replay, updates and evaluation.
 TINY = [
     "total_frames=3072",
-    "algo.learning_starts=1024",
-    "algo.updates_per_batch=4",
-    "algo.hidden_sizes=[32,32]",
+    "env.num_envs=8",
+    "collector.frames_per_batch=256",
     "log_every=1024",
     "eval.every=2048",
     "eval.episodes=10",
 ]
+# Tiny hyperparameters, for the recipes that have them.
+TINY_ALGO = {
+    "hidden_sizes": "[32,32]",
+    "learning_starts": 1024,
+    "updates_per_batch": 4,
+    "epochs": 2,
+    "minibatch_size": 128,
+}
+
+
+def tiny_overrides(recipe: str) -> list[str]:
+    fields = {field.name for field in dataclasses.fields(recipes.load(recipe).Config)}
+    algo = [f"algo.{key}={value}" for key, value in TINY_ALGO.items() if key in fields]
+    return [f"recipe={recipe}", *TINY, *algo]
 
 
 def free_port() -> int:
@@ -76,4 +99,7 @@ def read_summary(result: subprocess.CompletedProcess) -> dict:
 
 @pytest.fixture
 def tiny() -> list[str]:
-    return list(TINY)
+    """Tiny overrides for the runtime's replay tests (skipped without a replay recipe)."""
+    if REPLAY_RECIPE is None:
+        pytest.skip("this project has no replay recipe")
+    return tiny_overrides(REPLAY_RECIPE)

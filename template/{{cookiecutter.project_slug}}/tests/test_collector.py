@@ -3,26 +3,39 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torchrl.collectors import Collector
+from torchrl.modules import QValueActor
 
 from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
-from {{ cookiecutter.package_name }}.recipes import dqn
 
-# What the recipe trains on, and what the learner reads returns from.
-KEYS = [*dqn.Agent.batch_keys, ("next", "truncated"), ("next", "episode_reward")]
+# What recipes train on, and what the learner reads returns from.
+KEYS = [
+    "observation",
+    "action",
+    ("next", "observation"),
+    ("next", "reward"),
+    ("next", "done"),
+    ("next", "terminated"),
+    ("next", "truncated"),
+    ("next", "episode_reward"),
+]
 
 
 def test_batches_match_torchrl_collector_step_for_step():
     # A greedy policy and the same seeds: both collectors must see the same episodes,
     # across several episode ends (CartPole ends within a few dozen random-ish steps).
-    agent = dqn.Agent(dqn.Config(hidden_sizes=[16], eps_init=0.0, eps_end=0.0), make_env("CartPole-v1", 4, 0))
+    torch.manual_seed(0)
+    policy = QValueActor(
+        nn.Linear(4, 2), in_keys=["observation"], spec=make_env("CartPole-v1", 4, 0).action_spec
+    )
     frames_per_batch, total = 4 * 50, 4 * 150
     ours = VectorCollector(
-        make_env("CartPole-v1", 4, seed=7), agent.policy, frames_per_batch, total, torch.device("cpu")
+        make_env("CartPole-v1", 4, seed=7), policy, frames_per_batch, total, torch.device("cpu")
     )
     theirs = Collector(
         make_env("CartPole-v1", 4, seed=7),
-        agent.policy,
+        policy,
         frames_per_batch=frames_per_batch,
         total_frames=total,
         auto_register_policy_transforms=False,

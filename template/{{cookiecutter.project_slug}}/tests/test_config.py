@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }} import config, recipes
 from {{ cookiecutter.package_name }}.topology import Topology
 
-from .conftest import load_script
+from .conftest import REPLAY_RECIPE, load_script, needs_replay
 
 train = load_script("train")
 
@@ -15,7 +15,17 @@ train = load_script("train")
 def test_overrides_reach_nested_and_recipe_keys():
     cfg = config.load(["env.num_envs=4", "algo.lr=0.01", "replay.capacity=500", "seed=3"], train.DEFAULTS)
     assert (cfg.env.num_envs, cfg.algo.lr, cfg.replay.capacity, cfg.seed) == (4, 0.01, 500, 3)
-    assert cfg.run_dir == "runs/dqn-CartPole-v1-seed3"
+    assert cfg.run_dir == f"runs/{cfg.recipe}-{cfg.env.id}-seed3"
+
+
+@pytest.mark.parametrize("recipe", recipes.available())
+def test_each_recipe_brings_its_run_defaults_and_the_command_line_wins(recipe):
+    defaults = recipes.load(recipe).RUN_DEFAULTS
+    cfg = config.load([f"recipe={recipe}"], train.DEFAULTS)
+    assert (cfg.env.id, cfg.total_frames) == (defaults["env"]["id"], defaults["total_frames"])
+    assert cfg.collector.frames_per_batch == defaults["collector"]["frames_per_batch"]
+    cfg = config.load([f"recipe={recipe}", "env.id=Acrobot-v1", "total_frames=77"], train.DEFAULTS)
+    assert (cfg.env.id, cfg.total_frames) == ("Acrobot-v1", 77)
 
 
 def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
@@ -35,12 +45,22 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
         (["total_frames=0"], "total_frames must be > 0"),
         (["total_frames=-5"], "total_frames must be > 0"),
         (["total_frames=lots"], "total_frames: Value 'lots'"),
-        (["fabric.devices=2", "replay.ranks=0"], "replay.ranks must be >= 1 for a replay recipe"),
-        (["fabric.devices=2", "replay.ranks=2"], "replay.ranks=2 leaves no learner rank among 2 ranks"),
+        pytest.param(
+            [f"recipe={REPLAY_RECIPE}", "fabric.devices=2", "replay.ranks=0"],
+            "replay.ranks must be >= 1 for a replay recipe",
+            marks=needs_replay,
+        ),
+        pytest.param(
+            [f"recipe={REPLAY_RECIPE}", "fabric.devices=2", "replay.ranks=2"],
+            "replay.ranks=2 leaves no learner rank among 2 ranks",
+            marks=needs_replay,
+        ),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
         (["loggers=[csv,wandb]"], "unknown logger 'wandb' in loggers (choose from csv, tensorboard)"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
-        (["replay.capacity=10"], "exceeds replay.capacity"),
+        pytest.param(
+            [f"recipe={REPLAY_RECIPE}", "replay.capacity=10"], "exceeds replay.capacity", marks=needs_replay
+        ),
         (["total_frames"], "expected key=value"),
     ],
 )

@@ -6,10 +6,10 @@ import json
 import statistics
 
 import pytest
+from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import checkpoint, config
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes
 from {{ cookiecutter.package_name }}.collector import make_env
-from {{ cookiecutter.package_name }}.recipes import dqn
 
 from .conftest import load_script
 
@@ -20,7 +20,8 @@ evaluate = load_script("evaluate")
 @pytest.fixture
 def run_dir(tmp_path):
     cfg = config.load([f"run_dir={tmp_path}", "algo.hidden_sizes=[16]"], train.DEFAULTS)
-    agent = dqn.Agent(dqn.Config(hidden_sizes=[16]), make_env("CartPole-v1", 2, seed=0))
+    recipe = recipes.load(cfg.recipe)
+    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
     checkpoint.save_agent(tmp_path / checkpoint.FINAL, cfg, agent)
     return tmp_path
 
@@ -31,7 +32,7 @@ def test_evaluate_prints_and_records_mean_and_spread(run_dir, capsys):
     assert record["episodes"] == len(record["returns"]) == 5
     assert record["mean_return"] == pytest.approx(statistics.fmean(record["returns"]))
     assert record["std_return"] == pytest.approx(statistics.pstdev(record["returns"]))
-    assert all(value >= 1 for value in record["returns"])  # every CartPole episode lasts a step
+    assert all(value != 0 for value in record["returns"])  # the episodes were played
     assert "over 5 episodes" in capsys.readouterr().out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -9,24 +10,77 @@ import sys
 import pytest
 import torch
 
-from .conftest import PROJECT, command_env, fabric_command, fabric_run, free_port, read_summary, run_command
+from {{ cookiecutter.package_name }} import recipes
+
+from .conftest import (
+    PROJECT,
+    RECIPES,
+    command_env,
+    fabric_command,
+    fabric_run,
+    free_port,
+    load_script,
+    read_summary,
+    run_command,
+    tiny_overrides,
+)
+
+evaluate = load_script("evaluate")
 
 
-def test_single_process_run_writes_its_records(tmp_path, tiny):
+def expected_updates(recipe: str, learners: int) -> int:
+    """Updates per learner of a TINY run: 3072 frames in steps of 256 frames per learner."""
+    steps = 3072 // (256 * learners)
+    if recipes.load(recipe).Agent.uses_replay:
+        # 4 updates per step once 1024 frames (all learners together) are in.
+        return 4 * sum(1 for step in range(1, steps + 1) if step * 256 * learners >= 1024)
+    return steps * 2 * (256 // 128)  # 2 epochs of 128-frame minibatches
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_trains_in_one_process_and_writes_its_records(tmp_path, recipe):
     run_dir = tmp_path / "run"
-    result = run_command(
-        [sys.executable, "train.py", *tiny, "loggers=[csv,tensorboard]", f"run_dir={run_dir}"]
-    )
-    summary = read_summary(result)
+    command = [
+        sys.executable,
+        "train.py",
+        *tiny_overrides(recipe),
+        "loggers=[csv,tensorboard]",
+        f"run_dir={run_dir}",
+    ]
+    summary = read_summary(run_command(command))
     assert summary["world_size"] == 1 and summary["roles"] == {"0": "learner"}
-    assert summary["frames_collected"] == summary["replay_size"] == 3072
-    # 12 steps of 256 frames; updates start at 1024 frames (step 4): 9 steps of 4 updates.
-    assert summary["updates"] == 36 and summary["eval_episodes"] >= 10
+    assert summary["frames_collected"] == 3072
+    assert summary["replay_size"] == (3072 if recipes.load(recipe).Agent.uses_replay else 0)
+    assert summary["updates"] == expected_updates(recipe, learners=1)
+    assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
+    assert [row["frames"] for row in summary["eval_history"]] == [2048]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
     assert summary["checkpoint"] == str(run_dir / "checkpoints" / "final.pt")
     assert (run_dir / "checkpoints" / "final.pt").is_file()
     assert (run_dir / "learning_curve.png").read_bytes().startswith(b"\x89PNG")
+    # The trained agent loads into a fresh one and plays.
+    assert evaluate.main([f"checkpoint={run_dir}", "episodes=2"]) == 0
+    assert json.loads((run_dir / "evaluation.json").read_text())["episodes"] == 2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_trains_on_three_ranks_through_fabric_run(tmp_path, recipe):
+    result = fabric_run(3, *tiny_overrides(recipe), f"run_dir={tmp_path}")
+    summary = read_summary(result)
+    if recipes.load(recipe).Agent.uses_replay:
+        roles, learners, replay_size = {"0": "replay", "1": "learner", "2": "learner"}, 2, 3072
+    else:  # on-policy: no replay rank, every rank collects and trains
+        roles, learners, replay_size = {"0": "learner", "1": "learner", "2": "learner"}, 3, 0
+    assert summary["roles"] == roles
+    assert summary["frames_collected"] == 3072 and summary["replay_size"] == replay_size
+    assert summary["updates"] == expected_updates(recipe, learners)
+    checksums = list(summary["learner_param_checksums"].values())
+    assert len(checksums) == learners and len(set(checksums)) == 1  # the learners stayed identical
+    assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
+    # Rank 0 logs with its rank in front; the others keep their information to themselves.
+    assert "[rank 0] INFO lightning.fabric" in result.stderr, result.stderr[-3000:]
+    assert "GLOBAL_RANK: 1" not in result.stderr and "GLOBAL_RANK: 2" not in result.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -51,14 +105,6 @@ def check_three_rank_summary(summary: dict) -> None:
     for key in ("frames_per_s", "updates_per_s", "wall_s"):
         assert summary[key] > 0
     assert [row["frames"] for row in summary["eval_history"]] == [2048]
-
-
-def test_three_ranks_through_fabric_run(tmp_path, tiny):
-    result = fabric_run(3, *tiny, f"run_dir={tmp_path / 'run'}")
-    check_three_rank_summary(read_summary(result))
-    # Rank 0 logs with its rank in front; the others keep their information to themselves.
-    assert "[rank 0] INFO lightning.fabric" in result.stderr, result.stderr[-3000:]
-    assert "GLOBAL_RANK: 1" not in result.stderr and "GLOBAL_RANK: 2" not in result.stderr
 
 
 def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):

@@ -2,7 +2,8 @@
 
 OmegaConf checks names and types against the dataclasses below, so a misspelt key or a
 value of the wrong type is refused before any rank starts. The recipe's hyperparameters
-(its ``Config`` dataclass) are mounted under ``algo``.
+(its ``Config`` dataclass) are mounted under ``algo``; its ``RUN_DEFAULTS`` (environment,
+frames per batch, total frames) sit under config.yaml, so either can override them.
 """
 
 from __future__ import annotations
@@ -91,16 +92,19 @@ def load(overrides: list[str], defaults: Path) -> DictConfig:
         if "=" not in item:
             raise ConfigError(f"expected key=value, got {item!r}")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(defaults))
+        file = OmegaConf.load(defaults)
         cli = OmegaConf.from_dotlist(overrides)
-        recipe_name = cli.get("recipe", cfg.recipe)
+        recipe_name = cli.get("recipe", file.get("recipe"))
         try:
             recipe = recipes.load(recipe_name)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        # Lowest to highest: the schema, the recipe's run defaults (its env, frames per
+        # batch, ...), config.yaml, the command line.
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe.RUN_DEFAULTS)
         cfg.algo = OmegaConf.structured(recipe.Config)
         OmegaConf.set_struct(cfg, True)
-        cfg = OmegaConf.merge(cfg, cli)
+        cfg = OmegaConf.merge(cfg, file, cli)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"config keys without a value: {', '.join(missing)}")

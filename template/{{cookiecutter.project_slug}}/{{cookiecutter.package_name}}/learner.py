@@ -1,4 +1,6 @@
-"""The learner's loop: collect, push to replay, sample, update with DDP, send priorities back.
+"""The learner's loop. Replay recipes: collect, push to replay, sample, update with DDP, send
+priorities back. On-policy recipes: collect, then a few epochs of DDP updates on minibatches
+of what was just collected.
 
 Every learner runs the same number of collector steps and the same number of updates per
 step, so the DDP all-reduces of all learners always pair up.
@@ -76,24 +78,28 @@ def train(
     started = time.monotonic()
     for batch in collector:
         frames += frames_per_step
-        transitions = batch.reshape(-1)
-        window.add_episodes(transitions)
-        replay.extend(transitions.select(*agent.batch_keys))
-        agent.after_collect(frames_per_step)
-
-        if frames >= algo.learning_starts:
-            if updates == 0:
-                replay.flush()  # the first sample must see this learner's own frames
-            for _ in range(algo.updates_per_batch):
-                sample = replay.sample().to(fabric.device)
-                loss, metrics = model(sample)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                agent.after_update()
-                replay.update_priority(sample, agent.priority_key)
-                window.add_metrics(metrics)
-                updates += 1
+        window.add_episodes(batch)
+        if agent.uses_replay:
+            agent.after_collect(batch, frames_per_step)
+            replay.extend(batch.reshape(-1).select(*agent.batch_keys))
+            if frames >= algo.learning_starts:
+                if updates == 0:
+                    replay.flush()  # the first sample must see this learner's own frames
+                for _ in range(algo.updates_per_batch):
+                    sample = replay.sample().to(fabric.device)
+                    update(model, optimizer, agent, sample, window)
+                    replay.update_priority(sample, agent.priority_key)
+                    updates += 1
+        else:
+            batch = batch.to(fabric.device)
+            agent.after_collect(batch, frames_per_step)
+            # Every learner collected the same number of frames, so all run the same
+            # number of minibatches and their all-reduces pair up.
+            transitions = batch.reshape(-1)
+            for _ in range(algo.epochs):
+                for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
+                    update(model, optimizer, agent, minibatch, window)
+                    updates += 1
 
         if crossed(frames, frames_per_step, cfg.log_every):
             reports.append(recorder.rpc_async().report(frames, window.flush()))
@@ -102,7 +108,8 @@ def train(
             reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
     train_s = time.monotonic() - started
     collector.shutdown()
-    replay.flush()
+    if agent.uses_replay:
+        replay.flush()
     for report in reports:
         report.wait()
 
@@ -116,6 +123,16 @@ def train(
     if index == 0:  # the learners' weights are identical: one of them saves
         stats["checkpoint"] = str(checkpoint.save_agent(Path(cfg.run_dir) / checkpoint.FINAL, cfg, agent))
     return stats
+
+
+def update(model, optimizer, agent, batch, window: Window) -> None:
+    """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners."""
+    loss, metrics = model(batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    agent.after_update()
+    window.add_metrics(metrics)
 
 
 def planned_frames(cfg: DictConfig, learners: int) -> int:
@@ -139,10 +156,10 @@ class Window:
         self.updates = 0
         self.returns: list[float] = []
 
-    def add_episodes(self, transitions) -> None:
-        self.frames += transitions.numel()
-        done = transitions["next", "done"].squeeze(-1)
-        self.returns += transitions["next", "episode_reward"].squeeze(-1)[done].tolist()
+    def add_episodes(self, batch) -> None:
+        self.frames += batch.numel()
+        done = batch["next", "done"].squeeze(-1)
+        self.returns += batch["next", "episode_reward"].squeeze(-1)[done].tolist()
 
     def add_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
         self.updates += 1

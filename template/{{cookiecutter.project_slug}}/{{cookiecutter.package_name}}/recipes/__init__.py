@@ -3,15 +3,23 @@
 A recipe module holds what is specific to its algorithm and imports nothing from this
 package, so it can be read, linted and tested on its own. It defines:
 
+``RUN_DEFAULTS``
+    The run settings this algorithm comes with (``env.id``, ``env.num_envs``,
+    ``collector.frames_per_batch``, ``total_frames``); config.yaml and the command line
+    override them.
 ``Config``
     A dataclass of hyperparameters with defaults, mounted at ``algo`` in the run config.
-    Replay recipes need ``batch_size``, ``updates_per_batch`` and ``learning_starts``.
+    Replay recipes need ``batch_size``, ``updates_per_batch`` and ``learning_starts``;
+    on-policy recipes need ``epochs`` and ``minibatch_size``.
 ``Agent(cfg, env)``
     An ``nn.Module`` holding every trained parameter. The runtime wraps it in DDP, so its
     ``forward(batch)`` returns ``(loss, metrics)`` and DDP all-reduces the gradients. It has
-    ``uses_replay``, ``batch_keys`` (the keys a replay batch needs), ``priority_key``,
-    ``policy`` (what the collector runs), ``make_optimizer()``, ``after_collect(frames)``
-    and ``after_update()``. Greedy evaluation runs ``policy`` in deterministic mode.
+    ``uses_replay``, ``policy`` (what the collector runs; greedy evaluation runs it in
+    deterministic mode), ``make_optimizer()``, ``after_collect(batch, frames)`` and
+    ``after_update()``; replay recipes also ``batch_keys`` (the keys a replay batch needs)
+    and ``priority_key``.
+
+docs/adding-a-recipe.md explains each part and adds a recipe step by step.
 """
 
 from __future__ import annotations

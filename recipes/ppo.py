@@ -1,0 +1,115 @@
+"""PPO with the clipped objective and GAE, on-policy in the DD-PPO style.
+
+Schulman et al. (2017), distributed as in Wijmans et al. (2020): there is no replay rank;
+every rank collects with its own environments and trains on what it collected, and DDP
+averages the gradients of each minibatch over all ranks. Every rank collects the same
+number of frames per step, so the ranks always run the same number of minibatches and the
+all-reduces pair up however the episodes end. This file owns the actor, the critic, the
+advantage estimate and the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule
+from torch import nn
+from torchrl.envs import EnvBase
+from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, ValueOperator
+from torchrl.objectives import ClipPPOLoss
+from torchrl.objectives.value import GAE
+
+RUN_DEFAULTS = {
+    "env": {"id": "CartPole-v1", "num_envs": 8},
+    "collector": {"frames_per_batch": 256},
+    "total_frames": 200_000,
+}
+
+
+@dataclass
+class Config:
+    """PPO hyperparameters (close to the SB3 zoo's CartPole setting)."""
+
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    lr: float = 1e-3
+    gamma: float = 0.98
+    gae_lambda: float = 0.8
+    clip_epsilon: float = 0.2
+    entropy_coeff: float = 0.0
+    critic_coeff: float = 0.5
+    # Passes over each collected batch, cut into minibatches of this many frames per rank.
+    epochs: int = 20
+    minibatch_size: int = 256
+
+
+class Agent(nn.Module):
+    """The actor and the critic, the policy built from them, and the PPO loss.
+
+    The runtime wraps this module in DDP, so ``forward`` computes the loss. Discrete action
+    spaces (one-hot, as torchrl's gymnasium wrapper gives them) only.
+    """
+
+    uses_replay = False
+
+    def __init__(self, cfg: Config, env: EnvBase) -> None:
+        super().__init__()
+        self.cfg = cfg
+        action_spec = env.action_spec_unbatched
+        observations = env.observation_spec["observation"].shape[-1]
+        hidden = list(cfg.hidden_sizes)
+        self.actor = ProbabilisticActor(
+            TensorDictModule(
+                MLP(in_features=observations, out_features=action_spec.shape[-1], num_cells=hidden),
+                in_keys=["observation"],
+                out_keys=["logits"],
+            ),
+            in_keys=["logits"],
+            spec=action_spec,
+            distribution_class=OneHotCategorical,
+            return_log_prob=True,
+        )
+        self.critic = ValueOperator(
+            MLP(in_features=observations, out_features=1, num_cells=hidden),
+            in_keys=["observation"],
+        )
+        self.advantage = GAE(
+            gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=self.critic, average_gae=False
+        )
+        self.loss_module = ClipPPOLoss(
+            self.actor,
+            self.critic,
+            clip_epsilon=cfg.clip_epsilon,
+            entropy_coeff=cfg.entropy_coeff,
+            critic_coeff=cfg.critic_coeff,
+            normalize_advantage=True,
+        )
+
+    @property
+    def policy(self) -> ProbabilisticActor:
+        """The collector's policy: samples actions and records their log-probabilities."""
+        return self.actor
+
+    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on a minibatch that ``after_collect`` gave advantages to."""
+        losses = self.loss_module(batch)
+        loss = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
+        metrics = {
+            "loss_objective": losses["loss_objective"].detach(),
+            "loss_critic": losses["loss_critic"].detach(),
+            "entropy": losses["entropy"].detach(),
+        }
+        return loss, metrics
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+
+    @torch.no_grad()
+    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
+        """Advantages and value targets for the batch just collected, with the critic as it
+        was when the batch was collected (GAE runs along the batch's last, time dimension)."""
+        self.advantage(batch)
+
+    def after_update(self) -> None:
+        """Nothing to do: PPO has no target network."""

@@ -1,0 +1,66 @@
+"""docs/adding-a-recipe.md, followed literally: its recipe file, then its commands."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import PROJECT, command_env, free_port
+
+GUIDE = PROJECT / "docs" / "adding-a-recipe.md"
+NOT_THE_PROJECT = shutil.ignore_patterns("runs", "__pycache__", ".pytest_cache", ".venv", "*.egg-info")
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def guide_commands(text: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def run(command: list[str], project: Path) -> subprocess.CompletedProcess:
+    env = {**command_env(), "PYTHONPATH": str(project)}
+    return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_guide_adds_a_recipe_that_trains_on_three_ranks(tmp_path):
+    text = GUIDE.read_text()
+    target, code = re.search(r"Save this as `([^`]+)`:\s*```python\n(.*?)```", text, re.S).groups()
+    project = tmp_path / "project"
+    shutil.copytree(PROJECT, project, ignore=NOT_THE_PROJECT)
+    before = files(project)
+    (project / target).write_text(code)
+    after = files(project)
+    assert set(after) - set(before) == {target}
+    assert all(after[name] == content for name, content in before.items()), "the guide touches one file"
+
+    print_config, fabric_run, benchmark, pytest_run = guide_commands(text)
+    assert benchmark.startswith("python benchmarks/learning.py")  # minutes per seed: not run here
+
+    shown = run([sys.executable, *shlex.split(print_config)[1:]], project)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "recipe: double_dqn" in shown.stdout and "updates_per_batch: 128" in shown.stdout
+
+    # The guide's `fabric run`, on free ports and into a scratch run_dir.
+    words = shlex.split(fabric_run)
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
+    words[:2] = [fabric, "run", "--main-port", str(free_port())]
+    words += [f"rpc.port={free_port()}", f"run_dir={tmp_path / 'run'}"]
+    trained = run(words, project)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["roles"] == {"0": "replay", "1": "learner", "2": "learner"}
+    assert summary["frames_collected"] == summary["replay_size"] == 4096
+    assert summary["updates"] > 0
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+
+    tested = run([sys.executable, *shlex.split(pytest_run)[1:], "-p", "no:cacheprovider"], project)
+    assert tested.returncode == 0, tested.stdout[-3000:]
+    assert re.search(r"\b3 passed\b", tested.stdout), tested.stdout[-500:]

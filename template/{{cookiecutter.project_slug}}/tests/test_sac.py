@@ -1,0 +1,73 @@
+"""The SAC recipe's wiring on a tiny batch, without any distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
+from {{ cookiecutter.package_name }}.recipes import sac
+from {{ cookiecutter.package_name }}.replay import ReplayShard
+
+
+def make_agent_and_batch(batch_size: int = 32):
+    torch.manual_seed(0)
+    env = make_env("Pendulum-v1", num_envs=4, seed=0)
+    agent = sac.Agent(sac.Config(hidden_sizes=[16], batch_size=batch_size), env)
+    collector = VectorCollector(
+        env, agent.policy, frames_per_batch=128, total_frames=128, device=torch.device("cpu")
+    )
+    frames = next(iter(collector)).reshape(-1)
+    collector.shutdown()
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
+    shard.extend(frames.select(*agent.batch_keys))
+    batch, _, _ = shard.sample(batch_size)
+    return agent, frames, batch
+
+
+def test_actions_stay_within_the_action_space():
+    _, frames, _ = make_agent_and_batch()
+    assert frames["action"].abs().max() <= 2.0  # Pendulum's torque bound
+    assert frames["action"].std() > 0.1  # the collector samples: it explores
+
+
+def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities():
+    agent, frames, batch = make_agent_and_batch()
+    loss, metrics = agent(batch)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert set(metrics) == {"loss_actor", "loss_qvalue", "alpha", "entropy"}
+    assert batch[agent.priority_key].shape == (32,)
+
+    # The temperature is a registered parameter, so DDP all-reduces its gradient like the
+    # networks' and it stays the same on every learner.
+    parameters = dict(agent.named_parameters())
+    assert "loss_module.log_alpha" in parameters
+    probe = frames[:4].select("observation")
+    before_policy = agent.policy(probe.clone())["loc"].detach()
+    before = {name: value.detach().clone() for name, value in parameters.items()}
+    optimizer = agent.make_optimizer()
+    loss.backward()
+    optimizer.step()
+    changed = {name for name, value in parameters.items() if not torch.equal(value, before[name])}
+    assert "loss_module.log_alpha" in changed
+    assert any(name.startswith("actor.") for name in changed)
+    assert any(name.startswith("loss_module.qvalue_network_params") for name in changed)
+    after_policy = agent.policy(probe.clone())["loc"].detach()
+    assert not torch.allclose(before_policy, after_policy), (
+        "the collector's policy must share the trained weights"
+    )
+
+
+def test_target_critics_follow_the_critics_by_polyak_averaging():
+    agent, _, batch = make_agent_and_batch()
+    critics = agent.loss_module.qvalue_network_params
+    targets = agent.loss_module.target_qvalue_network_params
+    torch.testing.assert_close(targets.data, critics.data)  # they start equal
+    optimizer = agent.make_optimizer()
+    loss, _ = agent(batch)
+    loss.backward()
+    optimizer.step()
+    old_targets = targets.data.clone()
+    agent.after_update()
+    tau = agent.cfg.tau
+    expected = old_targets.apply(lambda old, new: (1 - tau) * old + tau * new, critics.data)
+    torch.testing.assert_close(targets.data, expected)
