@@ -1,8 +1,8 @@
 """Evaluate a trained agent: greedy episodes, their mean and spread, and optionally videos.
 
-    python evaluate.py checkpoint=runs/dqn-CartPole-v1-seed0             # a run directory
+    python evaluate.py checkpoint=runs/try                                # a run directory
     python evaluate.py checkpoint=runs/.../checkpoints/final.pt episodes=20 seed=1
-    python evaluate.py checkpoint=runs/dqn-CartPole-v1-seed0 video=true   # mp4s in run_dir/videos
+    python evaluate.py checkpoint=runs/try video=true                     # mp4s in run_dir/videos
 
 Prints the mean and standard deviation of the returns and writes them, with every
 episode's return, to ``evaluation.json`` in the run's directory.

@@ -17,7 +17,7 @@ set -euo pipefail
 
 # Name the first node as the main address: gloo, NCCL and RPC then listen on the cluster
 # network instead of loopback. RPC runs pickled calls, so keep the job inside a network
-# you trust (README.md, Security). RPC takes MASTER_PORT + 1.
+# you trust (README.md, Security). RPC takes MASTER_PORT + 1, the watchdog MASTER_PORT + 2.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export MASTER_ADDR MASTER_PORT

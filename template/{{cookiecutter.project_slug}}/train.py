@@ -2,7 +2,7 @@
 
     python train.py                                # one process (replay buffer in-process)
     python train.py fabric.devices=3               # Fabric starts 3 ranks itself
-    fabric run --accelerator cpu --strategy ddp --devices 3 train.py recipe=dqn
+    fabric run --accelerator cpu --strategy ddp --devices 3 train.py seed=1
     python train.py --print-config env.id=Acrobot-v1   # show the resolved config and stop
 
 With several ranks and a replay recipe, the first ``replay.ranks`` ranks host the
@@ -12,8 +12,10 @@ is a learner (see topology.py). Rank 0 writes the run's records into run_dir.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,7 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 from {{ cookiecutter.package_name }} import config, learner, logs, recipes, topology
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.watchdog import StopRequest, Watchdog
 
+log = logging.getLogger(__name__)
 DEFAULTS = Path(__file__).with_name("config.yaml")
 USAGE = "usage: python train.py [--print-config] [key=value ...]   (keys: see config.yaml)"
 
@@ -59,10 +63,8 @@ def main(argv: list[str]) -> int:
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
     fabric = Fabric(**fabric_arguments(cfg), loggers=make_loggers(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
-        run(fabric, cfg, recipe)  # `fabric run` already started the ranks; Fabric forbids launch()
-    else:
-        fabric.launch(run, cfg, recipe)
-    return 0
+        return run(fabric, cfg, recipe)  # `fabric run` already started the ranks; Fabric forbids launch()
+    return fabric.launch(run, cfg, recipe)
 
 
 def make_loggers(cfg: DictConfig) -> list:
@@ -93,13 +95,39 @@ def fabric_arguments(cfg: DictConfig) -> dict:
     }
 
 
-def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
+def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
+    """This rank's part of the run; returns the process's exit code."""
     plan = topology.Topology.plan(
         fabric.world_size, fabric.global_rank, cfg.replay.ranks, recipe.Agent.uses_replay
     )
     logs.setup(plan.rank, plan.role)
+    if plan.rank == 0:
+        log.info("roles: %s", ", ".join(f"rank {rank} {role}" for rank, role in plan.roles.items()))
     torch.set_num_threads(cfg.threads or threads_per_rank(fabric, plan))
+    address, port = topology.endpoint(cfg.rpc.address, cfg.rpc.port)
+    watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout)
+    with watchdog.watching():
+        summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog.stop)
+    if summary is not None:
+        print(f"summary: {summary}")
+    # Stopped by a signal: rank 0 says so in the exit code, as a shell does (128 + its
+    # number). The other ranks exit 0: Fabric's launcher kills every rank as soon as one
+    # exits non-zero, which could cut rank 0 short of writing its records.
+    if watchdog.stop.is_set() and plan.rank == 0:
+        return 128 + signal.Signals[watchdog.stop.signal]
+    return 0
 
+
+def play_role(
+    fabric: Fabric,
+    cfg: DictConfig,
+    recipe: ModuleType,
+    plan: topology.Topology,
+    address: str,
+    port: int,
+    stop: StopRequest,
+) -> Path | None:
+    """Host, connect, train or serve, and write the records; rank 0 returns the summary."""
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
     if plan.rank == 0:
         topology.host("recorder", Recorder(fabric, cfg, plan))
@@ -116,7 +144,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
                 shard=plan.shard_ranks.index(plan.rank),
             ),
         )
-    learner_group = topology.connect(plan, cfg.rpc.address, cfg.rpc.port, cfg.rpc.timeout)
+    learner_group = topology.connect(plan, address, port, cfg.rpc.timeout)
 
     if plan.role == topology.LEARNER:
         replay = None
@@ -129,7 +157,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
                 first_shard=plan.learner_index,
             )
         recorder = topology.handle(plan, 0, "recorder")
-        stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group)
+        stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group, stop)
         recorder.rpc_sync().finish(plan.rank, stats)
 
     summary = None
@@ -141,8 +169,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> None:
             shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
         summary = records.close(shards)
     topology.disconnect(plan)
-    if summary is not None:
-        print(f"summary: {summary}")
+    return summary
 
 
 def threads_per_rank(fabric: Fabric, plan: topology.Topology) -> int:

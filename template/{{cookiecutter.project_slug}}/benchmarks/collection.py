@@ -4,8 +4,8 @@
     python benchmarks/collection.py --envs 64 --frames 200000
 
 All step ``--envs`` copies in one synchronous gymnasium vector env and act with the same
-Q network and epsilon-greedy exploration (the dqn recipe's policy, built here so the
-benchmark runs in a project generated with any recipes), in this one process with one torch thread (a
+Q network and epsilon-greedy exploration (DQN's policy, built here so the benchmark runs
+in a project generated with any recipes), in this one process with one torch thread (a
 learner's share of a 3-rank run on 2 cores). torchrl's own ``Collector`` on the same env
 is measured too, for reference: it is what the project's collector replaces. Prints a
 table and, last, a JSON line.

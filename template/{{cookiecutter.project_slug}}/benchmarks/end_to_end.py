@@ -1,7 +1,7 @@
 """End-to-end benchmark: what a replay rank over RPC costs the learner.
 
     python benchmarks/end_to_end.py                  # the first replay recipe, 20,000 frames
-    python benchmarks/end_to_end.py --recipe dqn --frames 50000 algo.batch_size=128
+    python benchmarks/end_to_end.py --frames 50000 algo.batch_size=128
 
 Runs the same configuration twice: one process with the buffer in-process, then one replay
 rank plus one learner (`python train.py fabric.devices=2`). Compares their ``updates_per_s``

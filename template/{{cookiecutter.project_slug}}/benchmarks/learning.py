@@ -1,7 +1,7 @@
 """Learning benchmark: does the recipe reach its target return, in how many frames and seconds?
 
-    python benchmarks/learning.py --recipe dqn         # 3 ranks, seeds 1 2 3, the recipe's env
-    python benchmarks/learning.py --recipe dqn --seeds 1 --frames 50000 algo.lr=1e-3
+    python benchmarks/learning.py                      # the default recipe, 3 ranks, seeds 1 2 3
+    python benchmarks/learning.py --recipe {{ cookiecutter.default_recipe }} --seeds 1 --frames 50000 algo.lr=1e-3
 
 Each seed is one `fabric run` on CPU with the recipe's defaults: its env and its frame
 budget (``RUN_DEFAULTS``) unless ``--env`` / ``--frames`` say otherwise. The run evaluates
@@ -26,10 +26,17 @@ sys.path.insert(0, str(PROJECT))
 from {{ cookiecutter.package_name }} import recipes  # noqa: E402
 
 # Greedy evaluation return each recipe should reach on its default env within its frame budget.
+{%- set recipes = cookiecutter.recipes.split(",") | map("trim") | list %}
 TARGETS = {
+{%- if "dqn" in recipes %}
     "dqn": 475.0,
+{%- endif %}
+{%- if "ppo" in recipes %}
     "ppo": 475.0,
+{%- endif %}
+{%- if "sac" in recipes %}
     "sac": -200.0,
+{%- endif %}
 }
 
 
@@ -76,7 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--recipe", default="dqn", choices=recipes.available())
+    parser.add_argument("--recipe", default="{{ cookiecutter.default_recipe }}", choices=recipes.available())
     parser.add_argument("--env")
     parser.add_argument("--frames", type=int)
     parser.add_argument("--target", type=float)

@@ -56,6 +56,8 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
             marks=needs_replay,
         ),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
+        (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
+        (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["loggers=[csv,wandb]"], "unknown logger 'wandb' in loggers (choose from csv, tensorboard)"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         pytest.param(

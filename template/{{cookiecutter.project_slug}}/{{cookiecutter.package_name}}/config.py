@@ -65,6 +65,7 @@ class RpcConfig:
     address: str | None = None
     port: int | None = None
     timeout: float = MISSING
+    heartbeat_timeout: float = MISSING
 
 
 @dataclass
@@ -136,6 +137,9 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.replay.ranks < 0:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
+    for key in ("rpc.timeout", "rpc.heartbeat_timeout"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
     if cfg.replay.batches_per_request < 1:
         raise ConfigError(f"replay.batches_per_request must be >= 1, got {cfg.replay.batches_per_request}")
     batch_size = getattr(cfg.algo, "batch_size", 0)

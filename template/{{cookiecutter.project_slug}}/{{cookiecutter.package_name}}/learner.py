@@ -9,12 +9,14 @@ step, so the DDP all-reduces of all learners always pair up.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel
@@ -24,6 +26,7 @@ from .collector import VectorCollector, make_env
 from .evaluation import evaluate
 from .replay import ReplayClient
 from .topology import Topology
+from .watchdog import StopRequest
 
 
 def train(
@@ -31,9 +34,10 @@ def train(
     cfg: DictConfig,
     topology: Topology,
     recipe: ModuleType,
-    replay: ReplayClient,
+    replay: ReplayClient | None,
     recorder: Any,
     learner_group: Any,
+    stop: StopRequest,
 ) -> dict[str, Any]:
     learners = len(topology.learner_ranks)
     index = topology.learner_index
@@ -77,6 +81,8 @@ def train(
     reports = []
     started = time.monotonic()
     for batch in collector:
+        if all_agree(stop, learner_group, learners, fabric.device):
+            break  # asked to stop (SIGINT, SIGTERM): every learner leaves at this same step
         frames += frames_per_step
         window.add_episodes(batch)
         if agent.uses_replay:
@@ -87,7 +93,10 @@ def train(
                     replay.flush()  # the first sample must see this learner's own frames
                 for _ in range(algo.updates_per_batch):
                     sample = replay.sample().to(fabric.device)
-                    update(model, optimizer, agent, sample, window)
+                    update(model, optimizer, agent, sample, window, f"frame {frames}, update {updates + 1}")
+                    # A non-finite priority would poison the sum tree every later sample is drawn from.
+                    if not torch.isfinite(sample[agent.priority_key]).all():
+                        raise NonFinite(f"non-finite priorities at frame {frames}, update {updates + 1}")
                     replay.update_priority(sample, agent.priority_key)
                     updates += 1
         else:
@@ -98,7 +107,9 @@ def train(
             transitions = batch.reshape(-1)
             for _ in range(algo.epochs):
                 for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
-                    update(model, optimizer, agent, minibatch, window)
+                    update(
+                        model, optimizer, agent, minibatch, window, f"frame {frames}, update {updates + 1}"
+                    )
                     updates += 1
 
         if crossed(frames, frames_per_step, cfg.log_every):
@@ -114,7 +125,8 @@ def train(
         report.wait()
 
     stats = {
-        "frames": steps * cfg.collector.frames_per_batch,
+        "frames": frames // learners,
+        "stopped_by": stop.signal,
         "updates": updates,
         "train_s": train_s,
         "param_checksum": sum(p.detach().double().sum() for p in agent.parameters()).item(),
@@ -125,14 +137,31 @@ def train(
     return stats
 
 
-def update(model, optimizer, agent, batch, window: Window) -> None:
-    """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners."""
+class NonFinite(FloatingPointError):
+    """A loss or priority that is NaN or infinite; training cannot go on from it."""
+
+
+def update(model, optimizer, agent, batch, window: Window, step: str) -> None:
+    """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners.
+    ``step`` says where the run is, for the error should the loss not be finite."""
     loss, metrics = model(batch)
+    if not torch.isfinite(loss):
+        # Checked before the step: the weights and the priorities stay finite.
+        raise NonFinite(f"non-finite loss ({loss.item()}) at {step}")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
     agent.after_update()
     window.add_metrics(metrics)
+
+
+def all_agree(flag: threading.Event, group: Any, learners: int, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any learner: all learners get the same answer."""
+    if learners == 1:
+        return flag.is_set()
+    raised = torch.tensor([float(flag.is_set())], device=device)
+    dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=group)
+    return bool(raised.item())
 
 
 def planned_frames(cfg: DictConfig, learners: int) -> int:

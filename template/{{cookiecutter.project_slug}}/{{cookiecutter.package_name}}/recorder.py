@@ -127,6 +127,8 @@ class Recorder:
             "replay_size": sum(shard["size"] for shard in shards),
             "replay_shard_sizes": [shard["size"] for shard in shards],
             "stale_priority_updates": sum(shard["stale_updates"] for shard in shards),
+            # The signal that stopped the run before total_frames, if one did.
+            "stopped_by": next((stats["stopped_by"] for stats in learners if stats["stopped_by"]), None),
             "updates": updates,
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks

@@ -78,7 +78,14 @@ def bind_to_loopback_unless_named(address: str | None) -> None:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
 
-def connect(topology: Topology, address: str | None, port: int | None, timeout_s: float):
+def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
+    """Where rank 0 serves RPC: the named address and port, or the launcher's main address
+    and the port after its c10d port. The watchdog's store takes the port after that."""
+    address = address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    return address, port or int(os.environ.get("MASTER_PORT", "29500")) + 1
+
+
+def connect(topology: Topology, address: str, port: int, timeout_s: float):
     """Create the learner group and join the RPC world; returns the learner group.
 
     Every rank calls ``new_group`` in the same order, replay ranks included, as torch
@@ -88,8 +95,6 @@ def connect(topology: Topology, address: str | None, port: int | None, timeout_s
         return None
     timeout = timedelta(seconds=timeout_s)
     learner_group = dist.new_group(list(topology.learner_ranks), timeout=timeout)
-    address = address or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = port or int(os.environ.get("MASTER_PORT", "29500")) + 1
     with warnings.catch_warnings():
         # init_rpc's own device-map exchange trips a torch deprecation warning; not ours to fix.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)

@@ -1,4 +1,4 @@
-"""Recipes: one module per algorithm, found by name (``recipe=dqn`` loads ``recipes/dqn.py``).
+"""Recipes: one module per algorithm, found by name (``recipe=x`` loads ``recipes/x.py``).
 
 A recipe module holds what is specific to its algorithm and imports nothing from this
 package, so it can be read, linted and tested on its own. It defines:

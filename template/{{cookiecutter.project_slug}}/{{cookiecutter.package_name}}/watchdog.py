@@ -1,0 +1,177 @@
+"""Every rank watches every other, so no rank waits forever for one that died.
+
+Each rank bumps a heartbeat counter in a key-value store every second, and a background
+thread reads everybody's. When a rank's counter stops moving for ``timeout`` seconds (it was
+killed, ran out of memory, or hangs), or a rank reports that it failed, every other rank
+logs one line naming that rank and its role and exits with code 1, whatever it was waiting
+for: an RPC, a collective, the final barrier. The store is torch's ``TCPStore``, hosted by
+rank 0 on its own port; when rank 0 dies its store goes with it, and the others name rank 0.
+
+Why not leave it to the launcher: ``fabric run`` (torchrun) stops all ranks when one exits,
+but Fabric's own launcher and ``srun`` do not, and no launcher tells the ranks which rank
+failed. Counters rather than timestamps: the nodes' clocks need not agree.
+
+The same store carries a stop request (SIGINT, SIGTERM) from whichever rank received it to
+all the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+FAILED = "failed"  # the first failure's message; later ones do not overwrite it
+STOP = "stop"  # the name of the first stop signal any rank received
+# What a store call raises once the store is gone.
+STORE_ERRORS = (RuntimeError, dist.DistError)
+
+
+class StopRequest(threading.Event):
+    """Set when this rank, or any other, received SIGINT or SIGTERM; ``signal`` names it."""
+
+    signal: str | None = None
+
+    def request(self, signal_name: str) -> None:
+        if not self.is_set():
+            self.signal = signal_name
+            self.set()
+
+
+class Watchdog:
+    def __init__(self, topology: Topology, address: str, port: int, timeout_s: float) -> None:
+        self.topology = topology
+        self.timeout_s = timeout_s
+        self.stop = StopRequest()
+        self._closing = threading.Event()
+        self.store = None
+        if topology.world_size > 1:
+            self.store = dist.TCPStore(
+                address,
+                port,
+                topology.world_size,
+                is_master=topology.rank == 0,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
+
+    @contextmanager
+    def watching(self) -> Iterator[Watchdog]:
+        """Watch the other ranks and catch stop signals while the block runs. An exception
+        in the block is logged, told to the other ranks, and ends this process with code 1."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if self.store is not None:
+            self._thread.start()
+        try:
+            yield self
+        except FloatingPointError as error:
+            # The training itself went wrong (learner.NonFinite): one line says where.
+            self._give_up(f"{self._label(self.topology.rank)} failed: {error}")
+        except BaseException as error:
+            if self.store is None:
+                raise
+            if isinstance(error, RuntimeError):
+                # How another rank's death shows up here: a collective or an RPC failed
+                # (gloo, TensorPipe and DDP raise RuntimeError). Give the heartbeats time
+                # to name the rank that died before blaming this one.
+                time.sleep(self.timeout_s + 2 * INTERVAL_S)
+            log.exception("this rank failed")
+            self._give_up(f"{self._label(self.topology.rank)} failed: {type(error).__name__}: {error}")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self._close()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.stop.is_set():
+            log.warning("%s: stopping cleanly at the next step (SIGKILL stops at once)", name)
+            self.stop.request(name)
+            self._tell_others(STOP, name)
+
+    def _tell_others(self, key: str, value: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.compare_set(key, "", value)
+        except STORE_ERRORS:
+            pass  # the store is gone: the others notice this rank's silence instead
+
+    def _watch(self) -> None:
+        me = self.topology.rank
+        others = [rank for rank in range(self.topology.world_size) if rank != me]
+        last_seen = {rank: (-1, time.monotonic()) for rank in others}
+        while not self._closing.wait(INTERVAL_S):
+            try:
+                self.store.add(f"beat/{me}", 1)
+                if self.store.check([FAILED]):
+                    self._give_up(self.store.get(FAILED).decode())
+                if not self.stop.is_set() and self.store.check([STOP]):
+                    self.stop.request(self.store.get(STOP).decode())
+                now = time.monotonic()
+                for rank in others:
+                    count = self.store.add(f"beat/{rank}", 0)
+                    previous, since = last_seen[rank]
+                    if count != previous:
+                        last_seen[rank] = (count, now)
+                    elif now - since > self.timeout_s:
+                        self._give_up(f"{self._label(rank)} stopped: no heartbeat for {self.timeout_s:g} s")
+            except STORE_ERRORS:
+                if self._closing.is_set():
+                    return
+                self._give_up(f"{self._label(0)} stopped: its store does not answer")
+
+    def _close(self) -> None:
+        """Stop watching once every rank is through the final barrier. Rank 0 hosts the
+        store, so it leaves last: it waits until the others have stopped using it."""
+        if self.store is None:
+            return
+        self._closing.set()
+        self._thread.join()
+        me = self.topology.rank
+        try:
+            if me == 0:
+                others = [f"closed/{rank}" for rank in range(1, self.topology.world_size)]
+                self.store.wait(others, timedelta(seconds=self.timeout_s))
+            else:
+                self.store.set(f"closed/{me}", "1")
+        except STORE_ERRORS as error:
+            log.warning("closing the watchdog's store: %s", str(error).splitlines()[0])
+
+    def _label(self, rank: int) -> str:
+        return f"rank {rank} ({self.topology.roles[str(rank)]})"
+
+    def _give_up(self, reason: str) -> None:
+        """Exit with code 1 after passing the reason on: the others may not have noticed
+        yet, and once rank 0 leaves, its store cannot tell them."""
+        log.error("stopping: %s", reason)
+        if self.store is None:
+            raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
+        self._tell_others(FAILED, reason)
+        if self.topology.rank == 0:
+            time.sleep(2 * INTERVAL_S)
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once: whatever the main thread waits in (an RPC, a gloo collective, the RPC
+    shutdown barrier) cannot be woken safely, and interpreter shutdown would wait for it."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
