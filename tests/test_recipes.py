@@ -20,7 +20,9 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     recipe = importlib.import_module(f"recipes.{name}")
     assert dataclasses.is_dataclass(recipe.Config)
     defaults = recipe.RUN_DEFAULTS
-    assert set(defaults) == {"env", "collector", "total_frames"}
+    assert (
+        {"env", "collector", "total_frames"} <= set(defaults) <= {"env", "collector", "total_frames", "algo"}
+    )
     assert defaults["collector"]["frames_per_batch"] % defaults["env"]["num_envs"] == 0
     fields = {field.name for field in dataclasses.fields(recipe.Config)}
     needed = (

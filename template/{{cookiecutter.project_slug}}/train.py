@@ -26,7 +26,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package_name }} import config, learner, logs, recipes, topology
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, topology
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 from {{ cookiecutter.package_name }}.watchdog import StopRequest, Watchdog
@@ -46,7 +46,9 @@ def main(argv: list[str]) -> int:
         recipe = recipes.load(cfg.recipe)
         world_size = config.expected_world_size(cfg)
         if world_size:
-            topology.Topology.plan(world_size, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
+            plan = topology.Topology.plan(world_size, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
+            if cfg.resume:
+                checkpoint.check_resume(cfg, *layout(plan, recipe))
     except config.ConfigError as error:
         # Under `fabric run` every rank checks the same config and rank 0 says what is
         # wrong. The others wait a moment: the launcher stops all ranks as soon as one exits.
@@ -128,22 +130,23 @@ def play_role(
     stop: StopRequest,
 ) -> Path | None:
     """Host, connect, train or serve, and write the records; rank 0 returns the summary."""
+    resumed = checkpoint.check_resume(cfg, *layout(plan, recipe)) if cfg.resume else None
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
     if plan.rank == 0:
-        topology.host("recorder", Recorder(fabric, cfg, plan))
+        topology.host("recorder", Recorder(fabric, cfg, plan, resumed=resumed))
     uses_replay = recipe.Agent.uses_replay
     if uses_replay and plan.rank in plan.shard_ranks:
-        shards = len(plan.shard_ranks)
-        topology.host(
-            "replay",
-            ReplayShard(
-                math.ceil(cfg.replay.capacity / shards),
-                cfg.replay.alpha,
-                cfg.replay.beta,
-                recipe.Agent.priority_key,
-                shard=plan.shard_ranks.index(plan.rank),
-            ),
+        index = plan.shard_ranks.index(plan.rank)
+        shard = ReplayShard(
+            math.ceil(cfg.replay.capacity / len(plan.shard_ranks)),
+            cfg.replay.alpha,
+            cfg.replay.beta,
+            recipe.Agent.priority_key,
+            shard=index,
         )
+        if resumed:
+            shard.load(str(Path(resumed["folder"]) / f"replay-{index}"))
+        topology.host("replay", shard)
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout)
 
     if plan.role == topology.LEARNER:
@@ -157,7 +160,7 @@ def play_role(
                 first_shard=plan.learner_index,
             )
         recorder = topology.handle(plan, 0, "recorder")
-        stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group, stop)
+        stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group, stop, resumed)
         recorder.rpc_sync().finish(plan.rank, stats)
 
     summary = None
@@ -170,6 +173,11 @@ def play_role(
         summary = records.close(shards)
     topology.disconnect(plan)
     return summary
+
+
+def layout(plan: topology.Topology, recipe: ModuleType) -> tuple[int, int]:
+    """The number of learners and of replay shards, as checkpoints record them."""
+    return len(plan.learner_ranks), len(plan.shard_ranks) if recipe.Agent.uses_replay else 0
 
 
 def threads_per_rank(fabric: Fabric, plan: topology.Topology) -> int:

@@ -89,6 +89,24 @@ def load_script(name: str):
     return module
 
 
+def processes_of(run_dir: Path) -> dict[int, int | None]:
+    """pid -> rank of every process whose command line names ``run_dir`` (the launcher's
+    rank is None)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if f"run_dir={run_dir}" not in (entry / "cmdline").read_text():
+                continue
+            environ = dict(
+                item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item
+            )
+        except (OSError, ValueError):
+            continue
+        rank = environ.get("RANK") or environ.get("LOCAL_RANK")
+        found[int(entry.name)] = int(rank) if rank is not None else None
+    return found
+
+
 def read_summary(result: subprocess.CompletedProcess) -> dict:
     """The summary named by the run's last printed line."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

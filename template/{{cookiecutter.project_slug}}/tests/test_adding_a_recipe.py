@@ -57,7 +57,7 @@ def test_the_guide_adds_a_recipe_that_trains_on_three_ranks(tmp_path):
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["roles"] == {"0": "replay", "1": "learner", "2": "learner"}
-    assert summary["frames_collected"] == summary["replay_size"] == 4096
+    assert summary["frames_collected"] == summary["replay_size"] == 2048
     assert summary["updates"] > 0
     assert len(set(summary["learner_param_checksums"].values())) == 1
 

@@ -39,7 +39,7 @@ def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
 def test_epsilon_anneals_by_frames():
     env = make_env("CartPole-v1", num_envs=2, seed=0)
     agent = dqn.Agent(dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=100), env)
-    agent.after_collect(50)
+    agent.after_collect(None, 50)
     assert abs(agent.exploration.eps.item() - 0.55) < 1e-5
-    agent.after_collect(1000)
+    agent.after_collect(None, 1000)
     assert abs(agent.exploration.eps.item() - 0.1) < 1e-6

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from {{ cookiecutter.package_name }} import checkpoint
 from {{ cookiecutter.package_name }}.topology import Topology
 
 from .conftest import (
@@ -22,6 +23,7 @@ from .conftest import (
     command_env,
     fabric_command,
     free_port,
+    processes_of,
     tiny_overrides,
 )
 
@@ -49,24 +51,6 @@ def start(command: list[str], run_dir: Path) -> subprocess.Popen:
         time.sleep(0.5)
     time.sleep(10)  # connect, collect, update
     return process
-
-
-def processes_of(run_dir: Path) -> dict[int, int | None]:
-    """pid -> rank of every process whose command line names ``run_dir`` (the launcher's
-    rank is None)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            if f"run_dir={run_dir}" not in (entry / "cmdline").read_text():
-                continue
-            environ = dict(
-                item.split("=", 1) for item in (entry / "environ").read_text().split("\0") if "=" in item
-            )
-        except (OSError, ValueError):
-            continue
-        rank = environ.get("RANK") or environ.get("LOCAL_RANK")
-        found[int(entry.name)] = int(rank) if rank is not None else None
-    return found
 
 
 def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
@@ -111,7 +95,8 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
         "fabric.accelerator=cpu",
         f"rpc.port={free_port()}",
     ]
-    process = start([*command, *LONG_RUN, f"run_dir={run_dir}"], run_dir)
+    # Checkpoints on, but none due before the signal: the stop writes one.
+    process = start([*command, *LONG_RUN, "checkpoint.every=5000000", f"run_dir={run_dir}"], run_dir)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's group
 
     code, stderr, seconds = finish(process, timeout=90)
@@ -121,6 +106,7 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
     assert 0 < summary["frames_collected"] < 10_000_000
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert (run_dir / "checkpoints" / "final.pt").is_file()
+    assert checkpoint.read_meta(checkpoint.latest(run_dir))["frames"] == summary["frames_collected"]
     assert processes_of(run_dir) == {}
 
 

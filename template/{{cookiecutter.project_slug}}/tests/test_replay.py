@@ -132,6 +132,15 @@ def test_priority_update_for_an_overwritten_slot_is_dropped():
     assert share_of(client, "index", slot) < 0.1
 
 
+def test_a_shard_refuses_non_finite_priorities():
+    (shard,), client, batch = filled(1, capacity=100)
+    mass = shard.sample(0)[1:]
+    batch["td_error"] = torch.full((batch.numel(),), float("nan"))
+    with pytest.raises(ValueError, match="refusing non-finite priorities"):
+        shard.update_priority(batch.select("index", GENERATION, "td_error"))
+    assert shard.sample(0)[1:] == mass  # the sum tree did not change
+
+
 def test_sampling_across_shards_matches_one_buffer_with_the_same_contents():
     torch.manual_seed(0)
     # Three shards of different sizes and priority scales: sampling them equally would be

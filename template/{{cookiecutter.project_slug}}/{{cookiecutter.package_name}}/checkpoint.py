@@ -1,16 +1,28 @@
-"""The trained agent on disk: what ``evaluate.py`` loads.
+"""Checkpoints on disk: the trained agent, and the whole training state to resume from.
 
-A checkpoint names the recipe, the environment and the recipe's hyperparameters next to
-the agent's weights, so it can be rebuilt without the run's config file.
+``checkpoints/final.pt`` is what ``evaluate.py`` loads: it names the recipe, the
+environment and the recipe's hyperparameters next to the agent's weights, so the agent can
+be rebuilt without the run's config file.
+
+``checkpoints/frames-<N>/`` (every ``checkpoint.every`` frames) holds everything a run
+needs to go on from frame N (``resume=``): ``meta.json`` (recipe, env, layout, counters),
+``agent.pt`` (weights with their target networks, optimizer state), ``rng-<i>.pt`` (each
+learner's random generators) and ``replay-<i>/`` (each replay shard's contents and
+priorities). It is written under a temporary name and renamed when complete, so a crash
+while writing leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
+import random
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,6 +30,8 @@ from . import recipes
 from .config import ConfigError
 
 FINAL = Path("checkpoints") / "final.pt"
+PREFIX = "frames-"
+META = "meta.json"
 
 
 def save_agent(path: Path, cfg: DictConfig, agent: torch.nn.Module) -> Path:
@@ -63,3 +77,72 @@ def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
         return state, recipes.load(name)
     except ValueError as error:
         raise ConfigError(f"checkpoint {checkpoint}: {error}") from None
+
+
+def training_dir(run_dir: str | Path, frames: int) -> Path:
+    """Where the checkpoint at ``frames`` goes; zero-padded, so names sort by frame."""
+    return Path(run_dir) / FINAL.parent / f"{PREFIX}{frames:012d}"
+
+
+def partial_dir(final: Path) -> Path:
+    return final.with_name(f".{final.name}.partial")
+
+
+def commit(partial: Path, final: Path, keep: int) -> None:
+    """Make a fully written checkpoint visible (one rename), then keep the newest ``keep``."""
+    partial.replace(final)
+    for old in sorted(final.parent.glob(f"{PREFIX}*"))[:-keep]:
+        shutil.rmtree(old)
+
+
+def latest(path: str | Path) -> Path:
+    """A training checkpoint folder, or the newest complete one in a run directory."""
+    candidate = Path(path)
+    if (candidate / META).is_file():
+        return candidate
+    found = [
+        folder
+        for folder in sorted((candidate / FINAL.parent).glob(f"{PREFIX}*"))
+        if (folder / META).is_file()
+    ]
+    if not found:
+        raise ConfigError(f"resume: no checkpoint at {candidate} (checkpoint.every=N writes them)")
+    return found[-1]
+
+
+def write_meta(folder: Path, meta: dict[str, Any]) -> None:
+    (folder / META).write_text(json.dumps(meta, indent=2))
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / META).read_text())
+
+
+def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any]:
+    """The checkpoint ``cfg.resume`` points at, if this run can go on from it."""
+    folder = latest(cfg.resume)
+    meta = read_meta(folder)
+    if (meta["recipe"], meta["env_id"]) != (cfg.recipe, cfg.env.id):
+        raise ConfigError(
+            f"resume: {folder} is a checkpoint of recipe '{meta['recipe']}' on {meta['env_id']}, "
+            f"not of '{cfg.recipe}' on {cfg.env.id}"
+        )
+    layout = {
+        "learners": learners,
+        "replay_shards": shards,
+        "frames_per_batch": cfg.collector.frames_per_batch,
+    }
+    for key, value in layout.items():
+        if value is not None and meta[key] != value:
+            raise ConfigError(f"resume: {folder} was written with {key}={meta[key]}, this run has {value}")
+    return {**meta, "folder": str(folder)}
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

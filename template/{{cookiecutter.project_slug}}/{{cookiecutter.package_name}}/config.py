@@ -69,6 +69,12 @@ class RpcConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = MISSING
+    keep: int = MISSING
+
+
+@dataclass
 class RunConfig:
     recipe: str = MISSING
     seed: int = MISSING
@@ -84,6 +90,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fabric: FabricConfig = field(default_factory=FabricConfig)
     rpc: RpcConfig = field(default_factory=RpcConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resume: str | None = None
     algo: Any = None
 
 
@@ -100,12 +108,12 @@ def load(overrides: list[str], defaults: Path) -> DictConfig:
             recipe = recipes.load(recipe_name)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        # Lowest to highest: the schema, the recipe's run defaults (its env, frames per
-        # batch, ...), config.yaml, the command line.
-        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), recipe.RUN_DEFAULTS)
+        # Lowest to highest: the schema (the recipe's Config under algo), the recipe's run
+        # defaults (its env, frames per batch, ...), config.yaml, the command line.
+        cfg = OmegaConf.structured(RunConfig)
         cfg.algo = OmegaConf.structured(recipe.Config)
         OmegaConf.set_struct(cfg, True)
-        cfg = OmegaConf.merge(cfg, file, cli)
+        cfg = OmegaConf.merge(cfg, recipe.RUN_DEFAULTS, file, cli)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"config keys without a value: {', '.join(missing)}")
@@ -137,6 +145,10 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.replay.ranks < 0:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
+    if cfg.checkpoint.every < 0:
+        raise ConfigError(f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
     for key in ("rpc.timeout", "rpc.heartbeat_timeout"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")

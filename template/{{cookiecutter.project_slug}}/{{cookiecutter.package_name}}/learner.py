@@ -9,6 +9,7 @@ step, so the DDP all-reduces of all learners always pair up.
 from __future__ import annotations
 
 import math
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -38,17 +39,30 @@ def train(
     recorder: Any,
     learner_group: Any,
     stop: StopRequest,
+    resumed: dict[str, Any] | None,
 ) -> dict[str, Any]:
+    """Train until ``total_frames`` or a stop request; ``resumed`` is the checkpoint's
+    meta (``checkpoint.check_resume``) when the run goes on from one."""
     learners = len(topology.learner_ranks)
     index = topology.learner_index
     algo = recipe.Config(**OmegaConf.to_container(cfg.algo))
-    env = make_env(cfg.env.id, cfg.env.num_envs, seed=cfg.seed + 1000 * index)
+    max_norm = getattr(algo, "max_grad_norm", None)
+    frames, updates = (resumed["frames"], resumed["updates"]) if resumed else (0, 0)
+    # A resumed run starts new episodes: environments cannot be saved mid-episode.
+    env = make_env(cfg.env.id, cfg.env.num_envs, seed=cfg.seed + 1000 * index + frames)
 
     # The same seed on every learner gives identical initial weights (DDP also broadcasts
     # them from the first learner); the environments above got their own seeds.
     fabric.seed_everything(cfg.seed, verbose=False)
     agent = recipe.Agent(algo, env).to(fabric.device)
     optimizer = agent.make_optimizer()
+    if resumed:
+        folder = Path(resumed["folder"])
+        state = torch.load(folder / "agent.pt", map_location=fabric.device, weights_only=True)
+        agent.load_state_dict(state["agent"])
+        optimizer.load_state_dict(state["optimizer"])
+        # This run's own file, written by checkpoint.rng_state: numpy's state is not a tensor.
+        checkpoint.set_rng_state(torch.load(folder / f"rng-{index}.pt", weights_only=False))
     model = agent
     if learners > 1:
         # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
@@ -66,7 +80,7 @@ def train(
         env,
         agent.policy,
         cfg.collector.frames_per_batch,
-        steps * cfg.collector.frames_per_batch,
+        (steps - frames // frames_per_step) * cfg.collector.frames_per_batch,
         fabric.device,
     )
 
@@ -76,7 +90,6 @@ def train(
         seed = cfg.seed + 1_000_000 + 1000 * index
         return evaluate(agent.policy, cfg.env.id, episodes, seed, fabric.device)
 
-    frames = updates = 0
     window = Window()
     reports = []
     started = time.monotonic()
@@ -93,7 +106,15 @@ def train(
                     replay.flush()  # the first sample must see this learner's own frames
                 for _ in range(algo.updates_per_batch):
                     sample = replay.sample().to(fabric.device)
-                    update(model, optimizer, agent, sample, window, f"frame {frames}, update {updates + 1}")
+                    update(
+                        model,
+                        optimizer,
+                        agent,
+                        sample,
+                        window,
+                        f"frame {frames}, update {updates + 1}",
+                        max_norm,
+                    )
                     # A non-finite priority would poison the sum tree every later sample is drawn from.
                     if not torch.isfinite(sample[agent.priority_key]).all():
                         raise NonFinite(f"non-finite priorities at frame {frames}, update {updates + 1}")
@@ -107,9 +128,8 @@ def train(
             transitions = batch.reshape(-1)
             for _ in range(algo.epochs):
                 for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
-                    update(
-                        model, optimizer, agent, minibatch, window, f"frame {frames}, update {updates + 1}"
-                    )
+                    step = f"frame {frames}, update {updates + 1}"
+                    update(model, optimizer, agent, minibatch, window, step, max_norm)
                     updates += 1
 
         if crossed(frames, frames_per_step, cfg.log_every):
@@ -117,6 +137,18 @@ def train(
         if crossed(frames, frames_per_step, cfg.eval.every):
             returns = greedy_returns()
             reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
+        if crossed(frames, frames_per_step, cfg.checkpoint.every):
+            save_checkpoint(
+                cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
+            )
+    if (
+        stop.is_set()
+        and cfg.checkpoint.every > 0
+        and not crossed(frames, frames_per_step, cfg.checkpoint.every)
+    ):
+        save_checkpoint(
+            cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
+        )
     train_s = time.monotonic() - started
     collector.shutdown()
     if agent.uses_replay:
@@ -141,18 +173,73 @@ class NonFinite(FloatingPointError):
     """A loss or priority that is NaN or infinite; training cannot go on from it."""
 
 
-def update(model, optimizer, agent, batch, window: Window, step: str) -> None:
+def update(model, optimizer, agent, batch, window: Window, step: str, max_norm: float | None) -> None:
     """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners.
-    ``step`` says where the run is, for the error should the loss not be finite."""
+    ``step`` says where the run is, for the error should the loss not be finite;
+    ``max_norm`` clips the gradients' norm (the recipe's ``max_grad_norm``)."""
     loss, metrics = model(batch)
     if not torch.isfinite(loss):
         # Checked before the step: the weights and the priorities stay finite.
         raise NonFinite(f"non-finite loss ({loss.item()}) at {step}")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if max_norm is not None:
+        # After backward, DDP has all-reduced the gradients: every learner clips the same.
+        torch.nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
     optimizer.step()
     agent.after_update()
     window.add_metrics(metrics)
+
+
+def save_checkpoint(
+    cfg: DictConfig,
+    frames: int,
+    updates: int,
+    agent: Any,
+    optimizer: torch.optim.Optimizer,
+    replay: ReplayClient | None,
+    topology: Topology,
+    group: Any,
+    device: torch.device,
+) -> None:
+    """Every learner calls this at the same step. The shards must not change while they are
+    written: each learner first waits for its own writes, and none goes on before the
+    checkpoint is complete."""
+    learners = len(topology.learner_ranks)
+    index = topology.learner_index
+    final = checkpoint.training_dir(cfg.run_dir, frames)
+    partial = checkpoint.partial_dir(final)
+    if replay is not None:
+        replay.flush()
+    if index == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a crash in an earlier write left
+        partial.mkdir(parents=True)
+    barrier(group, learners, device)
+    torch.save(checkpoint.rng_state(), partial / f"rng-{index}.pt")
+    barrier(group, learners, device)
+    if index == 0:
+        torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict()}, partial / "agent.pt")
+        shards = replay.shards if replay is not None else []
+        for shard_index, shard in enumerate(shards):
+            shard.rpc_sync().save(str(partial / f"replay-{shard_index}"))
+        meta = {
+            "recipe": cfg.recipe,
+            "env_id": cfg.env.id,
+            "frames": frames,
+            "updates": updates,
+            "learners": learners,
+            "replay_shards": len(shards),
+            "frames_per_batch": cfg.collector.frames_per_batch,
+        }
+        checkpoint.write_meta(partial, meta)  # last: a folder without meta.json is incomplete
+        checkpoint.commit(partial, final, cfg.checkpoint.keep)
+    barrier(group, learners, device)
+
+
+def barrier(group: Any, learners: int, device: torch.device) -> None:
+    """Wait for all learners (an all-reduce: gloo and NCCL both have it)."""
+    if learners > 1:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def all_agree(flag: threading.Event, group: Any, learners: int, device: torch.device) -> bool:

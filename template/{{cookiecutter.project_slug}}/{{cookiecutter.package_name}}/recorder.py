@@ -8,6 +8,7 @@ everything else is averaged. The row goes to Fabric's loggers and the progress b
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import threading
@@ -35,15 +36,25 @@ PROGRESS = {
 
 class Recorder:
     def __init__(
-        self, fabric: Fabric, cfg: DictConfig, topology: Topology, progress_stream: TextIO | None = None
+        self,
+        fabric: Fabric,
+        cfg: DictConfig,
+        topology: Topology,
+        progress_stream: TextIO | None = None,
+        resumed: dict[str, Any] | None = None,
     ) -> None:
         """``progress_stream``: where the progress bar goes; by default standard error,
-        and only when that is a terminal (logs of batch jobs stay free of it)."""
+        and only when that is a terminal (logs of batch jobs stay free of it).
+        ``resumed``: the meta of the checkpoint the run goes on from."""
         self.fabric = fabric
         self.topology = topology
         self.title = f"{cfg.recipe} on {cfg.env.id}, seed {cfg.seed}"
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.resumed_from = resumed["folder"] if resumed else None
+        # The rows logged up to the checkpoint; read before the loggers open, because
+        # Fabric's CSV logger deletes the metrics.csv it finds.
+        earlier = earlier_rows(Path(resumed["folder"]).parent.parent, resumed["frames"]) if resumed else []
         # Open the metrics files first: Fabric's CSV logger warns about any folder that
         # already holds files when it starts.
         for logger in fabric.loggers:
@@ -57,6 +68,7 @@ class Recorder:
         else:
             hidden = False
         self.progress = tqdm(
+            initial=resumed["frames"] if resumed else 0,
             total=planned_frames(cfg, len(topology.learner_ranks)),
             unit="frame",
             unit_scale=True,
@@ -71,6 +83,16 @@ class Recorder:
         self._finished: dict[int, dict[str, Any]] = {}
         self._all_finished = threading.Event()
         self._lock = threading.Lock()
+        for step, row in earlier:
+            self.record(step, row, wall_s=None)
+
+    def record(self, step: int, row: dict[str, float], wall_s: float | None) -> None:
+        """Log a merged row and keep the returns for the summary and the learning curve."""
+        if "eval_return" in row:
+            self.eval_history.append({"frames": step, "wall_s": wall_s, "eval_return": row["eval_return"]})
+        if "train_return" in row:
+            self.train_history.append((step, row["train_return"]))
+        self.fabric.log_dict(row, step=step)
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         """One learner's metrics at ``step`` (global frames); logged once all have reported."""
@@ -81,13 +103,7 @@ class Recorder:
                 return
             del self._pending[step]
             merged = merge(rows)
-            if "eval_return" in merged:
-                self.eval_history.append(
-                    {"frames": step, "wall_s": self.elapsed(), "eval_return": merged["eval_return"]}
-                )
-            if "train_return" in merged:
-                self.train_history.append((step, merged["train_return"]))
-            self.fabric.log_dict(merged, step=step)
+            self.record(step, merged, wall_s=self.elapsed())
             self.show_progress(step, merged)
 
     def show_progress(self, frames: int, row: dict[str, float]) -> None:
@@ -128,6 +144,7 @@ class Recorder:
             "replay_shard_sizes": [shard["size"] for shard in shards],
             "stale_priority_updates": sum(shard["stale_updates"] for shard in shards),
             # The signal that stopped the run before total_frames, if one did.
+            "resumed_from": self.resumed_from,
             "stopped_by": next((stats["stopped_by"] for stats in learners if stats["stopped_by"]), None),
             "updates": updates,
             "learner_param_checksums": {
@@ -161,3 +178,16 @@ def merge(rows: list[dict[str, float]]) -> dict[str, float]:
             continue
         merged[key] = sum(values) if key in SUMMED else sum(values) / len(values)
     return merged
+
+
+def earlier_rows(run_dir: Path, frames: int) -> list[tuple[int, dict[str, float]]]:
+    """The rows of ``run_dir``'s metrics.csv up to ``frames``, empty cells left out."""
+    path = run_dir / "metrics.csv"
+    if not path.is_file():
+        return []
+    with path.open(newline="") as file:
+        rows = [
+            (int(row.pop("step")), {key: float(value) for key, value in row.items() if value != ""})
+            for row in csv.DictReader(file)
+        ]
+    return [(step, row) for step, row in rows if step <= frames]

@@ -15,6 +15,7 @@ import collections
 import math
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from tensordict import TensorDictBase
@@ -59,11 +60,32 @@ class ReplayShard:
 
     def update_priority(self, priorities: TensorDictBase) -> None:
         """``priorities`` holds ``index``, ``generation`` and the priority key of a sample."""
+        if not torch.isfinite(priorities[self.buffer.priority_key]).all():
+            # One NaN in the sum tree and every later sample is garbage: refuse, loudly.
+            raise ValueError(f"shard {self.shard}: refusing non-finite priorities")
         with self._lock:
             current = self.generation[priorities["index"]] == priorities[GENERATION]
             self.stale_updates += int((~current).sum())
             if current.any():
                 self.buffer.update_tensordict_priority(priorities[current])
+
+    def save(self, folder: str) -> None:
+        """Write the contents, priorities and write counts to ``folder`` (a checkpoint)."""
+        with self._lock:
+            self.buffer.dumps(folder)
+            counts = {
+                "generation": self.generation,
+                "inserted": self.inserted,
+                "stale_updates": self.stale_updates,
+            }
+            torch.save(counts, Path(folder) / "shard.pt")
+
+    def load(self, folder: str) -> None:
+        with self._lock:
+            self.buffer.loads(folder)
+            counts = torch.load(Path(folder) / "shard.pt", weights_only=True)
+            self.generation = counts["generation"]
+            self.inserted, self.stale_updates = counts["inserted"], counts["stale_updates"]
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -5,12 +5,13 @@ package, so it can be read, linted and tested on its own. It defines:
 
 ``RUN_DEFAULTS``
     The run settings this algorithm comes with (``env.id``, ``env.num_envs``,
-    ``collector.frames_per_batch``, ``total_frames``); config.yaml and the command line
-    override them.
+    ``collector.frames_per_batch``, ``total_frames``, and ``algo`` values that depend on
+    them, such as ``"${total_frames}"``); config.yaml and the command line override them.
 ``Config``
     A dataclass of hyperparameters with defaults, mounted at ``algo`` in the run config.
     Replay recipes need ``batch_size``, ``updates_per_batch`` and ``learning_starts``;
-    on-policy recipes need ``epochs`` and ``minibatch_size``.
+    on-policy recipes need ``epochs`` and ``minibatch_size``. A ``max_grad_norm`` (if
+    any, and not None) clips the gradients before each optimizer step.
 ``Agent(cfg, env)``
     An ``nn.Module`` holding every trained parameter. The runtime wraps it in DDP, so its
     ``forward(batch)`` returns ``(loss, metrics)`` and DDP all-reduces the gradients. It has

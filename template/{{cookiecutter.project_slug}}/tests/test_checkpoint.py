@@ -1,0 +1,164 @@
+"""Checkpoints: written whole or not at all, pruned, refused when they do not fit the run,
+and a 3-rank run killed with SIGKILL goes on from its last one to the right frame count."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes
+from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.topology import LocalRef, Topology
+
+from .conftest import (
+    PROJECT,
+    REPLAY_RECIPE,
+    command_env,
+    fabric_command,
+    free_port,
+    load_script,
+    processes_of,
+    read_summary,
+    run_command,
+    tiny_overrides,
+)
+
+train = load_script("train")
+pytestmark = pytest.mark.skipif(REPLAY_RECIPE is None, reason="this project has no replay recipe")
+
+
+class OneLearner:
+    """What save_checkpoint needs of a one-process run: an agent, its optimizer, a shard."""
+
+    def __init__(self, run_dir, keep: int = 2) -> None:
+        self.cfg = config.load(
+            [*tiny_overrides(REPLAY_RECIPE), f"run_dir={run_dir}", f"checkpoint.keep={keep}"], train.DEFAULTS
+        )
+        recipe = recipes.load(REPLAY_RECIPE)
+        env = make_env(self.cfg.env.id, 2, seed=0)
+        self.agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(self.cfg.algo)), env)
+        self.optimizer = self.agent.make_optimizer()
+        self.shard = ReplayShard(100, 0.6, 0.4, self.agent.priority_key)
+        self.shard.extend(env.rollout(8).reshape(-1).select(*self.agent.batch_keys))
+        self.replay = ReplayClient([LocalRef(self.shard)], batch_size=4, beta=0.4)
+
+    def save(self, frames: int) -> None:
+        plan = Topology.plan(1, 0, 1, uses_replay=True)
+        args = (self.agent, self.optimizer, self.replay, plan, None, torch.device("cpu"))
+        learner.save_checkpoint(self.cfg, frames, frames // 10, *args)
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    run = OneLearner(tmp_path)
+    run.save(1024)
+    first = checkpoint.training_dir(tmp_path, 1024)
+    assert checkpoint.latest(tmp_path) == first
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "write_meta", crash)
+        with pytest.raises(OSError, match="disk full"):
+            run.save(2048)
+    # The half-written one is invisible; the previous one still loads and fits the run.
+    assert checkpoint.latest(tmp_path) == first
+    assert checkpoint.partial_dir(checkpoint.training_dir(tmp_path, 2048)).is_dir()
+    meta = checkpoint.check_resume(OmegaConf.merge(run.cfg, {"resume": str(tmp_path)}), 1, 1)
+    assert (meta["frames"], meta["updates"]) == (1024, 102)
+    state = torch.load(first / "agent.pt", weights_only=True)
+    run.agent.load_state_dict(state["agent"])
+    restored = ReplayShard(100, 0.6, 0.4, run.agent.priority_key)
+    restored.load(str(first / "replay-0"))
+    assert restored.stats() == run.shard.stats()
+
+    run.save(2048)  # the next write replaces what the crash left
+    assert checkpoint.latest(tmp_path) == checkpoint.training_dir(tmp_path, 2048)
+    assert not checkpoint.partial_dir(checkpoint.training_dir(tmp_path, 2048)).exists()
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    run = OneLearner(tmp_path, keep=2)
+    for frames in (1024, 2048, 3072):
+        run.save(frames)
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["frames-000000002048", "frames-000000003072"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["env.id=Acrobot-v1"],
+            "is a checkpoint of recipe '{recipe}' on CartPole-v1, not of '{recipe}' on Acrobot-v1",
+        ),
+        (["fabric.devices=3"], "was written with learners=1, this run has 2"),
+        (["collector.frames_per_batch=128"], "was written with frames_per_batch=256, this run has 128"),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_the_run_is_one_error_line(tmp_path, capsys, argv, message):
+    run = OneLearner(tmp_path)
+    if run.cfg.env.id != "CartPole-v1":
+        pytest.skip("the messages name CartPole-v1")
+    run.save(1024)
+    assert train.main([*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", *argv, "--print-config"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message.format(recipe=REPLAY_RECIPE) in lines[0], lines
+
+
+def test_resume_from_nothing_is_one_error_line(tmp_path, capsys):
+    assert train.main([f"resume={tmp_path}", "--print-config"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: resume: no checkpoint at {tmp_path} (checkpoint.every=N writes them)"
+    )
+
+
+def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [
+        *tiny_overrides(REPLAY_RECIPE),
+        "total_frames=8192",
+        "checkpoint.every=1024",
+        f"run_dir={run_dir}",
+    ]
+    killed = subprocess.Popen(
+        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides),
+        cwd=PROJECT,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 180
+    while not list((run_dir / "checkpoints").glob("frames-*/meta.json")):
+        assert killed.poll() is None, killed.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.1)
+    for pid in processes_of(run_dir):  # every rank and the launcher, without warning
+        os.kill(pid, signal.SIGKILL)
+    killed.communicate(timeout=30)
+    assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
+    last = checkpoint.latest(run_dir)
+    frames_then = checkpoint.read_meta(last)["frames"]
+    assert 1024 <= frames_then < 8192
+
+    resumed = run_command(
+        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, f"resume={run_dir}")
+    )
+    summary = read_summary(resumed)
+    assert summary["resumed_from"] == str(last)
+    assert summary["frames_collected"] == summary["replay_size"] == 8192
+    # 16 steps of 512 frames; 4 updates per step from the step that reaches 1024 frames.
+    assert summary["updates"] == 4 * 15
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+    # The records go on too: the rows logged before the checkpoint are still there.
+    assert [row["frames"] for row in summary["eval_history"]] == [2048, 4096, 6144, 8192]
