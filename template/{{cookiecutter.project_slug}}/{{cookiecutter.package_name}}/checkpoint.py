@@ -138,6 +138,17 @@ def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> d
     return {**meta, "folder": str(folder)}
 
 
+def restore_learner(
+    folder: Path, index: int, agent: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> None:
+    """Put learner ``index`` back as it was when ``folder`` was written."""
+    state = torch.load(folder / "agent.pt", map_location=device, weights_only=True)
+    agent.load_state_dict(state["agent"])
+    optimizer.load_state_dict(state["optimizer"])
+    # The run's own file, written by rng_state: numpy's state is not a tensor.
+    set_rng_state(torch.load(folder / f"rng-{index}.pt", weights_only=False))
+
+
 def rng_state() -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
 

@@ -8,6 +8,7 @@ step, so the DDP all-reduces of all learners always pair up.
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 import threading
@@ -57,12 +58,7 @@ def train(
     agent = recipe.Agent(algo, env).to(fabric.device)
     optimizer = agent.make_optimizer()
     if resumed:
-        folder = Path(resumed["folder"])
-        state = torch.load(folder / "agent.pt", map_location=fabric.device, weights_only=True)
-        agent.load_state_dict(state["agent"])
-        optimizer.load_state_dict(state["optimizer"])
-        # This run's own file, written by checkpoint.rng_state: numpy's state is not a tensor.
-        checkpoint.set_rng_state(torch.load(folder / f"rng-{index}.pt", weights_only=False))
+        checkpoint.restore_learner(Path(resumed["folder"]), index, agent, optimizer, fabric.device)
     model = agent
     if learners > 1:
         # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
@@ -91,7 +87,9 @@ def train(
         return evaluate(agent.policy, cfg.env.id, episodes, seed, fabric.device)
 
     window = Window()
+    step = functools.partial(update, model, optimizer, agent, window, max_norm)
     reports = []
+    saved_at = frames
     started = time.monotonic()
     for batch in collector:
         if all_agree(stop, learner_group, learners, fabric.device):
@@ -105,21 +103,13 @@ def train(
                 if updates == 0:
                     replay.flush()  # the first sample must see this learner's own frames
                 for _ in range(algo.updates_per_batch):
+                    updates += 1
                     sample = replay.sample().to(fabric.device)
-                    update(
-                        model,
-                        optimizer,
-                        agent,
-                        sample,
-                        window,
-                        f"frame {frames}, update {updates + 1}",
-                        max_norm,
-                    )
+                    step(sample, where=f"frame {frames}, update {updates}")
                     # A non-finite priority would poison the sum tree every later sample is drawn from.
                     if not torch.isfinite(sample[agent.priority_key]).all():
-                        raise NonFinite(f"non-finite priorities at frame {frames}, update {updates + 1}")
+                        raise NonFinite(f"non-finite priorities at frame {frames}, update {updates}")
                     replay.update_priority(sample, agent.priority_key)
-                    updates += 1
         else:
             batch = batch.to(fabric.device)
             agent.after_collect(batch, frames_per_step)
@@ -128,9 +118,8 @@ def train(
             transitions = batch.reshape(-1)
             for _ in range(algo.epochs):
                 for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
-                    step = f"frame {frames}, update {updates + 1}"
-                    update(model, optimizer, agent, minibatch, window, step, max_norm)
                     updates += 1
+                    step(minibatch, where=f"frame {frames}, update {updates}")
 
         if crossed(frames, frames_per_step, cfg.log_every):
             reports.append(recorder.rpc_async().report(frames, window.flush()))
@@ -141,11 +130,9 @@ def train(
             save_checkpoint(
                 cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
             )
-    if (
-        stop.is_set()
-        and cfg.checkpoint.every > 0
-        and not crossed(frames, frames_per_step, cfg.checkpoint.every)
-    ):
+            saved_at = frames
+    if stop.is_set() and cfg.checkpoint.every > 0 and saved_at != frames:
+        # Stopped early: the run can go on from here.
         save_checkpoint(
             cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
         )
@@ -173,14 +160,14 @@ class NonFinite(FloatingPointError):
     """A loss or priority that is NaN or infinite; training cannot go on from it."""
 
 
-def update(model, optimizer, agent, batch, window: Window, step: str, max_norm: float | None) -> None:
+def update(model, optimizer, agent, window: Window, max_norm: float | None, batch, where: str) -> None:
     """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners.
-    ``step`` says where the run is, for the error should the loss not be finite;
-    ``max_norm`` clips the gradients' norm (the recipe's ``max_grad_norm``)."""
+    ``max_norm`` clips the gradients' norm (the recipe's ``max_grad_norm``); ``where`` says
+    where the run is, for the error should the loss not be finite."""
     loss, metrics = model(batch)
     if not torch.isfinite(loss):
         # Checked before the step: the weights and the priorities stay finite.
-        raise NonFinite(f"non-finite loss ({loss.item()}) at {step}")
+        raise NonFinite(f"non-finite loss ({loss.item()}) at {where}")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if max_norm is not None:
