@@ -76,6 +76,20 @@ def fabric_command(devices: int, *arguments: str, main_port: int | None = None) 
     return [fabric, *launcher, *arguments]
 
 
+def launch(command: list[str]) -> subprocess.Popen:
+    """Start ``command`` without waiting, in its own session (so that a signal can reach
+    its whole process group), its output captured."""
+    return subprocess.Popen(
+        command,
+        cwd=PROJECT,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return run_command(fabric_command(devices, "train.py", f"rpc.port={free_port()}", *overrides), timeout)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -18,11 +17,10 @@ from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 from {{ cookiecutter.package_name }}.topology import LocalRef, Topology
 
 from .conftest import (
-    PROJECT,
     REPLAY_RECIPE,
-    command_env,
     fabric_command,
     free_port,
+    launch,
     load_script,
     processes_of,
     read_summary,
@@ -129,15 +127,7 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
         "checkpoint.every=1024",
         f"run_dir={run_dir}",
     ]
-    killed = subprocess.Popen(
-        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides),
-        cwd=PROJECT,
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    killed = launch(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides))
     deadline = time.monotonic() + 180
     while not list((run_dir / "checkpoints").glob("frames-*/meta.json")):
         assert killed.poll() is None, killed.communicate()[1][-3000:]

@@ -17,12 +17,11 @@ from {{ cookiecutter.package_name }} import checkpoint
 from {{ cookiecutter.package_name }}.topology import Topology
 
 from .conftest import (
-    PROJECT,
     RECIPES,
     REPLAY_RECIPE,
-    command_env,
     fabric_command,
     free_port,
+    launch,
     processes_of,
     tiny_overrides,
 )
@@ -33,17 +32,9 @@ LONG_RUN = [*tiny_overrides(RECIPE), "total_frames=10000000", "rpc.heartbeat_tim
 
 
 def start(command: list[str], run_dir: Path) -> subprocess.Popen:
-    """Start a run in its own session (so a signal can reach the whole group) and wait
-    until it trains: rank 0 writes config.yaml before the ranks connect."""
-    process = subprocess.Popen(
-        command,
-        cwd=PROJECT,
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """Start a run and wait until it trains: rank 0 writes config.yaml before the ranks
+    connect."""
+    process = launch(command)
     deadline = time.monotonic() + 120
     while not (run_dir / "config.yaml").exists():
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -114,15 +105,7 @@ def test_a_non_finite_loss_stops_the_run_and_says_where(tmp_path):
     run_dir = tmp_path / "run"
     # An absurd learning rate: the weights, then the loss, stop being finite.
     overrides = [*tiny_overrides(RECIPE), "algo.lr=1e30", "rpc.heartbeat_timeout=5", f"run_dir={run_dir}"]
-    process = subprocess.Popen(
-        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides),
-        cwd=PROJECT,
-        env=command_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    process = launch(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides))
     code, stderr, _ = finish(process, timeout=120)
     assert code != 0
     reports = [line for line in stderr.splitlines() if "stopping:" in line]
