@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .conftest import run_command
+from .conftest import free_port, run_command
 
 
 def test_collection_benchmark_prints_a_table_and_a_json_line():
@@ -42,3 +42,16 @@ def test_replay_benchmark_measures_rpc_against_in_process():
     rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
     assert set(rows) == {"in-process", "rpc, 2 shard(s), 2 learner(s)"}
     assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
+
+
+def test_resume_benchmark_compares_one_run_with_a_resumed_one(tiny):
+    recipe, *overrides = (
+        item.removeprefix("recipe=") for item in tiny if not item.startswith("total_frames=")
+    )
+    command = [sys.executable, "benchmarks/resume.py", "--recipe", recipe, "--frames", "2048"]
+    command += ["--devices", "1", "--main-port", str(free_port()), *overrides]
+    result = run_command(command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (seed,) = json.loads(result.stdout.strip().splitlines()[-1])["seeds"]
+    assert seed["one_run"]["frames"] == seed["resumed"]["frames"] == 2048
+    assert set(seed["one_run_curve"]) == set(seed["resumed_curve"])
