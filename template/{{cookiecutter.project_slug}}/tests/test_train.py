@@ -16,6 +16,7 @@ from .conftest import (
     PROJECT,
     RECIPES,
     command_env,
+    expected_updates,
     fabric_command,
     fabric_run,
     free_port,
@@ -26,15 +27,6 @@ from .conftest import (
 )
 
 evaluate = load_script("evaluate")
-
-
-def expected_updates(recipe: str, learners: int) -> int:
-    """Updates per learner of a TINY run: 3072 frames in steps of 256 frames per learner."""
-    steps = 3072 // (256 * learners)
-    if recipes.load(recipe).Agent.uses_replay:
-        # 4 updates per step once 1024 frames (all learners together) are in.
-        return 4 * sum(1 for step in range(1, steps + 1) if step * 256 * learners >= 1024)
-    return steps * 2 * (256 // 128)  # 2 epochs of 128-frame minibatches
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

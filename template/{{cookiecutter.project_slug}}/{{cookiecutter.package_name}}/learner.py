@@ -127,12 +127,15 @@ def train(
             returns = greedy_returns()
             reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
         if crossed(frames, frames_per_step, cfg.checkpoint.every):
+            # The rows reported so far belong with the checkpoint: wait until rank 0 has them.
+            torch.futures.wait_all(reports)
             save_checkpoint(
                 cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
             )
             saved_at = frames
     if stop.is_set() and cfg.checkpoint.every > 0 and saved_at != frames:
         # Stopped early: the run can go on from here.
+        torch.futures.wait_all(reports)
         save_checkpoint(
             cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
         )

@@ -13,6 +13,7 @@ import json
 import math
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -56,9 +57,13 @@ class Recorder:
         # Fabric's CSV logger deletes the metrics.csv it finds.
         earlier = earlier_rows(Path(resumed["folder"]).parent.parent, resumed["frames"]) if resumed else []
         # Open the metrics files first: Fabric's CSV logger warns about any folder that
-        # already holds files when it starts.
-        for logger in fabric.loggers:
-            logger.experiment  # noqa: B018
+        # already holds files when it starts. A resumed run logs the earlier rows again
+        # (below), so the warning that they will be deleted does not apply to it.
+        with warnings.catch_warnings():
+            if resumed:
+                warnings.filterwarnings("ignore", message="Experiment logs directory")
+            for logger in fabric.loggers:
+                logger.experiment  # noqa: B018
         OmegaConf.save(cfg, self.run_dir / "config.yaml")
         self.started = time.monotonic()
         if not cfg.progress:
