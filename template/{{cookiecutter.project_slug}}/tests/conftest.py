@@ -58,10 +58,31 @@ def tiny_overrides(recipe: str) -> list[str]:
     return [f"recipe={recipe}", *TINY, *algo]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A port P such that P, P + 1 and P + 2 are free and were not handed out before: a run
+    given `rpc.port=P` also listens on P + 1 (the watchdog), and `--main-port P` puts RPC
+    and the watchdog on P + 1 and P + 2."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        block = {port, port + 1, port + 2}
+        if block & _HANDED_OUT or not all(_bindable(p) for p in block):
+            continue
+        _HANDED_OUT.update(block)
+        return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def command_env() -> dict[str, str]:

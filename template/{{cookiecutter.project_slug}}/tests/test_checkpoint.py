@@ -124,8 +124,8 @@ def test_resume_from_nothing_is_one_error_line(tmp_path, capsys):
     )
 
 
-@pytest.mark.parametrize("recipe", [REPLAY_RECIPE or RECIPES[0]])
-def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path, recipe):
+def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
+    recipe = REPLAY_RECIPE or RECIPES[0]
     run_dir = tmp_path / "run"
     # 9216 frames: whole steps for 2 learners (replay recipes) and for 3 (on-policy ones).
     overrides = [*tiny_overrides(recipe), "total_frames=9216", "checkpoint.every=1024", f"run_dir={run_dir}"]
