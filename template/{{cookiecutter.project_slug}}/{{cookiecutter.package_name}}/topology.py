@@ -68,7 +68,7 @@ def bind_to_loopback_unless_named(address: str | None) -> None:
 
     RPC runs pickled calls: whoever reaches its port can run code on this machine.
     """
-    address = address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    address, _ = endpoint(address, None)
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
     except (OSError, ValueError):
