@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, topology
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
-from {{ cookiecutter.package_name }}.watchdog import StopRequest, Watchdog
+from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 DEFAULTS = Path(__file__).with_name("config.yaml")
@@ -109,7 +109,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
     address, port = topology.endpoint(cfg.rpc.address, cfg.rpc.port)
     watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout)
     with watchdog.watching():
-        summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog.stop)
+        summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog)
     if summary is not None:
         print(f"summary: {summary}")
     # Stopped by a signal: rank 0 says so in the exit code, as a shell does (128 + its
@@ -127,7 +127,7 @@ def play_role(
     plan: topology.Topology,
     address: str,
     port: int,
-    stop: StopRequest,
+    watchdog: Watchdog,
 ) -> Path | None:
     """Host, connect, train or serve, and write the records; rank 0 returns the summary."""
     resumed = checkpoint.check_resume(cfg, *layout(plan, recipe)) if cfg.resume else None
@@ -150,7 +150,8 @@ def play_role(
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout)
 
     if plan.role == topology.LEARNER:
-        replay = None
+        recorder = topology.handle(plan, 0, "recorder")
+        run = learner.Run(cfg, recipe, plan, fabric.device, learner_group, watchdog, recorder, resumed)
         if uses_replay:
             replay = ReplayClient(
                 [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
@@ -159,8 +160,9 @@ def play_role(
                 cfg.replay.batches_per_request,
                 first_shard=plan.learner_index,
             )
-        recorder = topology.handle(plan, 0, "recorder")
-        stats = learner.train(fabric, cfg, plan, recipe, replay, recorder, learner_group, stop, resumed)
+            stats = learner.off_policy(run, replay)
+        else:
+            stats = learner.on_policy(run)
         recorder.rpc_sync().finish(plan.rank, stats)
 
     summary = None

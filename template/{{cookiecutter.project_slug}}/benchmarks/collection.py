@@ -1,14 +1,20 @@
 """Collection benchmark: the project's collector against a plain gymnasium loop.
 
-    python benchmarks/collection.py                 # 32 CartPole copies (the default), 192,000 frames
-    python benchmarks/collection.py --envs 64 --frames 200000
+    python benchmarks/collection.py                          # 32 CartPole copies, 192,000 frames
+    python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000   # needs .[mujoco]
 
 All step ``--envs`` copies in one synchronous gymnasium vector env and act with the same
-Q network and epsilon-greedy exploration (DQN's policy, built here so the benchmark runs
-in a project generated with any recipes), in this one process with one torch thread (a
-learner's share of a 3-rank run on 2 cores). torchrl's own ``Collector`` on the same env
-is measured too, for reference: it is what the project's collector replaces. Prints a
-table and, last, a JSON line.
+network, in this one process with one torch thread (a learner's share of a 3-rank run on
+2 cores): for discrete actions DQN's Q network with epsilon-greedy exploration, for
+continuous ones a deterministic MLP actor with Gaussian noise (both built here, so the
+benchmark runs in a project generated with any recipes). Three ways to collect:
+
+- plain gymnasium loop: numpy observations in, one batched forward pass out, nothing kept;
+- project collector: ``collector.make_collector`` in sync mode, what a learner runs;
+- torchrl Collector, default settings: the same env and policy through ``Collector`` with
+  its defaults (trajectory ids), on a vector env with same-step autoreset, for reference.
+
+Prints a table and, last, a JSON line.
 """
 
 from __future__ import annotations
@@ -19,28 +25,39 @@ import time
 
 import gymnasium as gym
 import torch
-from tensordict.nn import TensorDictModuleBase, TensorDictSequential
+from omegaconf import OmegaConf
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 from torchrl.collectors import Collector
-from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.envs import GymWrapper, RewardSum
+from torchrl.modules import MLP, AdditiveGaussianModule, EGreedyModule, QValueActor
 
-from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
+from {{ cookiecutter.package_name }}.collector import make_collector, make_env
 
-EPSILON = 0.1
+NOISE = 0.1  # epsilon, or the Gaussian noise's standard deviation
+BATCH_STEPS = 32  # collector steps per batch
 
 
 def make_policy(env_id: str, num_envs: int) -> tuple[nn.Module, TensorDictModuleBase]:
-    """A Q network, and the epsilon-greedy torchrl policy around it."""
-    action_spec = make_env(env_id, num_envs, seed=0).action_spec
-    observations = gym.spec(env_id).make().observation_space.shape[0]
-    q_network = MLP(observations, action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU)
-    actor = QValueActor(q_network, in_keys=["observation"], spec=action_spec)
-    return q_network, TensorDictSequential(
-        actor, EGreedyModule(action_spec, eps_init=EPSILON, eps_end=EPSILON)
+    """A network, and the exploring torchrl policy around it."""
+    env = make_env(env_id, num_envs, seed=0)
+    observations = env.observation_spec["observation"].shape[-1]
+    action_spec = env.action_spec
+    env.close()
+    if isinstance(gym.spec(env_id).make().action_space, gym.spaces.Discrete):
+        network = MLP(observations, action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU)
+        actor = QValueActor(network, in_keys=["observation"], spec=action_spec)
+        return network, TensorDictSequential(actor, EGreedyModule(action_spec, eps_init=NOISE, eps_end=NOISE))
+    network = nn.Sequential(
+        MLP(observations, action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU), nn.Tanh()
     )
+    actor = TensorDictModule(network, in_keys=["observation"], out_keys=["action"])
+    noise = AdditiveGaussianModule(action_spec, sigma_init=NOISE, sigma_end=NOISE, annealing_num_steps=1)
+    return network, TensorDictSequential(actor, noise)
 
 
-def plain_loop(q_network: nn.Module, env_id: str, num_envs: int, frames: int, epsilon: float) -> float:
+def plain_loop(network: nn.Module, env_id: str, num_envs: int, frames: int) -> float:
     """Frames/s of a hand-written loop: numpy observations in, one batched forward pass out."""
     envs = gym.make_vec(
         env_id,
@@ -48,14 +65,18 @@ def plain_loop(q_network: nn.Module, env_id: str, num_envs: int, frames: int, ep
         vectorization_mode="sync",
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
     )
+    discrete = isinstance(envs.single_action_space, gym.spaces.Discrete)
     observations, _ = envs.reset(seed=0)
     started = time.perf_counter()
     for _ in range(frames // num_envs):
         with torch.no_grad():
-            actions = q_network(torch.as_tensor(observations)).argmax(-1)
-        explore = torch.rand(num_envs) < epsilon
-        random_actions = torch.randint(0, int(envs.single_action_space.n), (num_envs,))
-        actions = torch.where(explore, random_actions, actions)
+            output = network(torch.as_tensor(observations, dtype=torch.float32))
+        if discrete:
+            explore = torch.rand(num_envs) < NOISE
+            random_actions = torch.randint(0, int(envs.single_action_space.n), (num_envs,))
+            actions = torch.where(explore, random_actions, output.argmax(-1))
+        else:
+            actions = (output + NOISE * torch.randn_like(output)).clamp(-1, 1)
         observations, *_ = envs.step(actions.numpy())
     elapsed = time.perf_counter() - started
     envs.close()
@@ -63,28 +84,35 @@ def plain_loop(q_network: nn.Module, env_id: str, num_envs: int, frames: int, ep
 
 
 def collector_rate(kind: str, policy: TensorDictModuleBase, env_id: str, num_envs: int, frames: int) -> float:
-    env = make_env(env_id, num_envs, seed=0)
-    frames_per_batch = 32 * num_envs
+    frames_per_batch = BATCH_STEPS * num_envs
     total = -(-frames // frames_per_batch) * frames_per_batch  # whole batches
     if kind == "project":
-        collector = VectorCollector(env, policy, frames_per_batch, total, torch.device("cpu"))
-    else:
-        collector = Collector(
-            env,
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total,
-            auto_register_policy_transforms=False,
+        cfg = OmegaConf.create(
+            {
+                "env": {"id": env_id, "num_envs": num_envs},
+                "collector": {"frames_per_batch": frames_per_batch, "mode": "sync"},
+            }
         )
-    collected = 0
+        collector = make_collector(cfg, policy, seed=0, total_frames=total, device=torch.device("cpu"))
+    else:
+        vector_env = gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode="sync",
+            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        )
+        env = GymWrapper(vector_env).append_transform(RewardSum())
+        collector = Collector(env, policy, frames_per_batch=frames_per_batch, total_frames=total)
     iterator = iter(collector)
-    collected += next(iterator).numel()  # the first batch includes the collector's set-up
+    first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up
+    collected = 0
     started = time.perf_counter()
     for batch in iterator:
         collected += batch.numel()
     elapsed = time.perf_counter() - started
     collector.shutdown()
-    return (collected - frames_per_batch) / elapsed
+    assert first.numel() == frames_per_batch
+    return collected / elapsed
 
 
 def main() -> None:
@@ -98,17 +126,17 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    q_network, policy = make_policy(args.env, args.envs)
-    plain = plain_loop(q_network, args.env, args.envs, args.frames, epsilon=EPSILON)
+    network, policy = make_policy(args.env, args.envs)
+    plain = plain_loop(network, args.env, args.envs, args.frames)
     project = collector_rate("project", policy, args.env, args.envs, args.frames)
     torchrl = collector_rate("torchrl", policy, args.env, args.envs, args.frames)
-    print(f"{'setup':<32} {'frames/s':>10} {'vs plain':>9}")
+    print(f"{'setup':<36} {'frames/s':>10} {'vs plain':>9}")
     for name, rate in (
         ("plain gymnasium loop", plain),
         ("project collector", project),
-        ("torchrl Collector", torchrl),
+        ("torchrl Collector, default settings", torchrl),
     ):
-        print(f"{name:<32} {rate:>10.0f} {rate / plain:>9.2f}")
+        print(f"{name:<36} {rate:>10.0f} {rate / plain:>9.2f}")
     result = {"benchmark": "collection", "env": args.env, "envs": args.envs, "frames": args.frames}
     rates = {"plain_fps": plain, "collector_fps": project, "torchrl_collector_fps": torchrl}
     print(json.dumps({**result, **rates, "ratio": project / plain}))

@@ -1,11 +1,16 @@
-"""End-to-end benchmark: what a replay rank over RPC costs the learner.
+"""End-to-end benchmark: collection alongside learning (collector.mode=async) against
+collection then learning (sync), for the same frames and the same number of updates.
 
-    python benchmarks/end_to_end.py                  # the first replay recipe, 20,000 frames
-    python benchmarks/end_to_end.py --frames 50000 algo.batch_size=128
+    python benchmarks/end_to_end.py                      # the first replay recipe's workload below
+    python benchmarks/end_to_end.py --frames 20000 algo.updates_per_batch=16
 
-Runs the same configuration twice: one process with the buffer in-process, then one replay
-rank plus one learner (`python train.py fabric.devices=2`). Compares their ``updates_per_s``
-from summary.json. Prints a table and, last, a JSON line.
+Runs train.py four times: one process with one torch thread (the async collector's process
+takes the other core of two), sync then async; then 3 ranks (a replay rank and two
+learners), sync then async, where the cores are already shared (``--ranks`` chooses). Compares training wall
+time from summary.json. Prints a table and, last, a JSON line.
+
+Each recipe runs the workload in WORKLOADS below: updates that take about as long as the
+collection of the batch they follow, where overlapping the two pays most.
 """
 
 from __future__ import annotations
@@ -21,18 +26,35 @@ sys.path.insert(0, str(PROJECT))
 
 from {{ cookiecutter.package_name }} import recipes  # noqa: E402
 
+# Each recipe's workload: its updates take about as long as its collection, on two cores.
+{%- set recipes = cookiecutter.recipes.split(",") | map("trim") | list %}
+WORKLOADS = {
+{%- if "dqn" in recipes %}
+    "dqn": ["env.id=CartPole-v1", "env.num_envs=32", "collector.frames_per_batch=512",
+            "algo.updates_per_batch=8"],
+{%- endif %}
+{%- if "sac" in recipes %}
+    "sac": ["env.id=Pendulum-v1", "env.num_envs=16", "collector.frames_per_batch=256",
+            "algo.updates_per_batch=4"],
+{%- endif %}
+}
 
-def train(devices: int, args: argparse.Namespace) -> dict:
-    run_dir = PROJECT / "runs" / "benchmarks" / f"end-to-end-{devices}"
+
+def train(ranks: int, mode: str, args: argparse.Namespace) -> dict:
+    run_dir = PROJECT / "runs" / "benchmarks" / f"end-to-end-{ranks}-{mode}"
+    # One process gets one torch thread: the async collector's process takes the other core.
+    launch = ["fabric.devices=1", "threads=1"] if ranks == 1 else [f"fabric.devices={ranks}"]
     command = [
         sys.executable,
         "train.py",
-        f"fabric.devices={devices}",
+        *launch,
         "fabric.accelerator=cpu",
         f"recipe={args.recipe}",
-        f"env.id={args.env}",
+        *WORKLOADS.get(args.recipe, []),
         f"total_frames={args.frames}",
         "eval.every=0",
+        "eval.episodes=2",
+        f"collector.mode={mode}",
         f"run_dir={run_dir}",
         *args.overrides,
     ]
@@ -49,31 +71,37 @@ def main() -> None:
     replay_recipes = [name for name in recipes.available() if recipes.load(name).Agent.uses_replay]
     if not replay_recipes:
         sys.exit("error: this project has no replay recipe to benchmark")
-    parser.add_argument("--recipe", default=replay_recipes[0], choices=replay_recipes)
-    parser.add_argument("--env", help="default: the recipe's env")
+    parser.add_argument("--recipe", default=replay_recipes[-1], choices=replay_recipes)
     parser.add_argument("--frames", type=int, default=20_000)
+    parser.add_argument("--ranks", default="1,3", help="layouts to run, e.g. 1 or 1,3")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
-    args.env = args.env or recipes.load(args.recipe).RUN_DEFAULTS["env"]["id"]
 
-    single = train(1, args)
-    remote = train(2, args)
-    ratio = remote["updates_per_s"] / single["updates_per_s"]
-    print(f"{'setup':<34} {'updates/s':>10} {'frames/s':>10}")
-    for name, summary in (("one process, in-process buffer", single), ("1 replay rank + 1 learner", remote)):
-        print(f"{name:<34} {summary['updates_per_s']:>10.1f} {summary['frames_per_s']:>10.1f}")
-    print(f"{'ratio (replay rank / in-process)':<34} {ratio:>10.2f}")
-    figures = {"benchmark": "end_to_end", "recipe": args.recipe, "env": args.env, "frames": args.frames}
-    print(
-        json.dumps(
-            {
-                **figures,
-                "in_process_updates_per_s": single["updates_per_s"],
-                "replay_rank_updates_per_s": remote["updates_per_s"],
-                "ratio": ratio,
-            }
-        )
-    )
+    header = ("ranks", "mode", "train s", "frames/s", "updates/s", "vs sync", "lag")
+    print("{:<6} {:<6} {:>8} {:>9} {:>10} {:>8} {:>6}".format(*header))
+    figures = {"benchmark": "end_to_end", "recipe": args.recipe, "frames": args.frames}
+    for ranks in (int(count) for count in args.ranks.split(",")):
+        sync = train(ranks, "sync", args)
+        run = train(ranks, "async", args)
+        if run["updates"] != sync["updates"] or run["frames_collected"] != sync["frames_collected"]:
+            sys.exit("error: the two modes did different work; compare like with like")
+        for mode, summary in (("sync", sync), ("async", run)):
+            ratio = summary["train_s"] / sync["train_s"]
+            print(
+                f"{ranks:<6} {mode:<6} {summary['train_s']:>8.1f} {summary['frames_per_s']:>9.0f} "
+                f"{summary['updates_per_s']:>10.1f} {ratio:>8.2f} {summary['policy_lag']:>6.1f}"
+            )
+        figures[f"{ranks}_ranks"] = {
+            "sync_train_s": sync["train_s"],
+            "async_train_s": run["train_s"],
+            "async_vs_sync": run["train_s"] / sync["train_s"],
+            "sync_updates_per_s": sync["updates_per_s"],
+            "async_updates_per_s": run["updates_per_s"],
+            "sync_frames_per_s": sync["frames_per_s"],
+            "async_frames_per_s": run["frames_per_s"],
+            "policy_lag": run["policy_lag"],
+        }
+    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

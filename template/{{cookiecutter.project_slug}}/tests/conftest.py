@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from torchrl.collectors import Collector
 
 from {{ cookiecutter.package_name }} import recipes
 
@@ -157,6 +158,17 @@ def read_summary(result: subprocess.CompletedProcess) -> dict:
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("summary: "), last_line
     return json.loads(Path(last_line.removeprefix("summary: ")).read_text())
+
+
+def collect_one_batch(env, policy, frames: int):
+    """One batch of ``frames`` from torchrl's Collector, as the learner's sync mode collects it."""
+    collector = Collector(
+        env, policy, frames_per_batch=frames, total_frames=frames, track_traj_ids=False,
+        auto_register_policy_transforms=False,
+    )  # fmt: skip
+    batch = next(iter(collector))
+    collector.shutdown()
+    return batch
 
 
 @pytest.fixture

@@ -1,52 +1,81 @@
-"""The collector yields what torchrl's own Collector yields, only faster."""
+"""The collectors: batches in the layout recipes read, and an async collector's weights."""
 
 from __future__ import annotations
 
 import torch
+from omegaconf import OmegaConf
+from tensordict.nn import TensorDictModule
 from torch import nn
-from torchrl.collectors import Collector
-from torchrl.modules import QValueActor
 
-from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
-
-# What recipes train on, and what the learner reads returns from.
-KEYS = [
-    "observation",
-    "action",
-    ("next", "observation"),
-    ("next", "reward"),
-    ("next", "done"),
-    ("next", "terminated"),
-    ("next", "truncated"),
-    ("next", "episode_reward"),
-]
+from {{ cookiecutter.package_name }}.collector import POLICY_VERSION, make_collector, push_weights
 
 
-def test_batches_match_torchrl_collector_step_for_step():
-    # A greedy policy and the same seeds: both collectors must see the same episodes,
-    # across several episode ends (CartPole ends within a few dozen random-ish steps).
-    torch.manual_seed(0)
-    policy = QValueActor(
-        nn.Linear(4, 2), in_keys=["observation"], spec=make_env("CartPole-v1", 4, 0).action_spec
+def collector_config(mode: str, num_envs: int = 4, frames_per_batch: int = 200):
+    return OmegaConf.create(
+        {
+            "env": {"id": "CartPole-v1", "num_envs": num_envs},
+            "collector": {"frames_per_batch": frames_per_batch, "mode": mode},
+        }
     )
-    frames_per_batch, total = 4 * 50, 4 * 150
-    ours = VectorCollector(
-        make_env("CartPole-v1", 4, seed=7), policy, frames_per_batch, total, torch.device("cpu")
+
+
+class PushRight(nn.Module):
+    """Action 1 (push right) when its one weight is positive, else action 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        right = (self.weight > 0).long().expand(observation.shape[:-1])
+        return nn.functional.one_hot(right, 2)
+
+
+def test_sync_batches_are_time_last_and_chain_observations_across_episode_ends():
+    policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("sync"), policy, seed=7, total_frames=400, device=torch.device("cpu")
     )
-    theirs = Collector(
-        make_env("CartPole-v1", 4, seed=7),
+    batches = list(collector)
+    collector.shutdown()
+    assert [batch.batch_size for batch in batches] == [torch.Size([4, 50])] * 2
+    batch = torch.cat(batches, dim=1)
+    done = batch["next", "done"].squeeze(-1)
+    # Always pushing right ends a CartPole episode within a few dozen steps.
+    assert done.sum() >= 8
+    # Within an episode a step's next observation is the following step's observation;
+    # at an episode end it is the episode's last one, and the next step starts afresh.
+    follows = (batch["next", "observation"][:, :-1] == batch["observation"][:, 1:]).all(-1)
+    assert follows[~done[:, :-1]].all()
+    assert not follows[done[:, :-1]].any()
+    # episode_reward is the return so far: CartPole pays 1 per step.
+    steps_in_episode = batch["next", "episode_reward"].squeeze(-1)
+    assert (steps_in_episode[:, 1:][done[:, :-1]] == 1).all()
+
+
+def test_async_collector_acts_with_the_weights_pushed_to_it():
+    module = PushRight()
+    policy = TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("async", frames_per_batch=64),
         policy,
-        frames_per_batch=frames_per_batch,
-        total_frames=total,
-        auto_register_policy_transforms=False,
+        seed=0,
+        total_frames=64 * 40,
+        device=torch.device("cpu"),
     )
-    batches = list(zip(ours, theirs, strict=True))
-    ours.shutdown()
-    theirs.shutdown()
-    assert len(batches) == 3
-    for mine, reference in batches:
-        assert mine.batch_size == reference.batch_size == torch.Size([4, 50])
-        for key in KEYS:
-            torch.testing.assert_close(mine[key], reference[key], msg=f"{key} differs")
-    episode_ends = sum(int(mine["next", "done"].sum()) for mine, _ in batches)
-    assert episode_ends >= 4
+    batches = iter(collector)
+    try:
+        first = next(batches)
+        assert (first[POLICY_VERSION] == 0).all() and (first["action"].argmax(-1) == 0).all()
+        with torch.no_grad():
+            module.weight.fill_(1.0)  # the learner's weights change; its collector's copy does not
+        for _ in range(3):
+            batch = next(batches)
+        assert (batch[POLICY_VERSION] == 0).all() and (batch["action"].argmax(-1) == 0).all()
+        push_weights(collector, policy)
+        # The batch in flight may straddle the push; the one after it follows it throughout.
+        next(batches)
+        batch = next(batches)
+        assert (batch[POLICY_VERSION] == 1).all() and (batch["action"].argmax(-1) == 1).all()
+    finally:
+        collector.shutdown()

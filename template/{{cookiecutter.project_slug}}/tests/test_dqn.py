@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
+from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.recipes import dqn
 from {{ cookiecutter.package_name }}.replay import ReplayShard
+
+from .conftest import collect_one_batch
 
 
 def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
     torch.manual_seed(0)
     env = make_env("CartPole-v1", num_envs=4, seed=0)
     agent = dqn.Agent(dqn.Config(hidden_sizes=[16], batch_size=16), env)
-    collector = VectorCollector(
-        env, agent.policy, frames_per_batch=64, total_frames=64, device=torch.device("cpu")
-    )
-    frames = next(iter(collector)).reshape(-1)
-    collector.shutdown()
+    frames = collect_one_batch(env, agent.policy, 64).reshape(-1)
     assert frames.batch_size == torch.Size([64])
 
     shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)

@@ -32,15 +32,14 @@ LONG_RUN = [*tiny_overrides(RECIPE), "total_frames=10000000", "rpc.heartbeat_tim
 
 
 def start(command: list[str], run_dir: Path) -> subprocess.Popen:
-    """Start a run and wait until it trains: rank 0 writes config.yaml before the ranks
-    connect."""
+    """Start a run and wait until it trains: rank 0 logs a metrics row once every learner
+    has collected and reported."""
     process = launch(command)
-    deadline = time.monotonic() + 120
-    while not (run_dir / "config.yaml").exists():
+    metrics, deadline = run_dir / "metrics.csv", time.monotonic() + 180
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
         assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the run did not start"
+        assert time.monotonic() < deadline, "the run did not start training"
         time.sleep(0.5)
-    time.sleep(10)  # connect, collect, update
     return process
 
 
@@ -54,13 +53,39 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     return process.returncode, stderr, time.monotonic() - started
 
 
+def collector_processes(pid: int) -> list[int]:
+    """The async collector processes that process ``pid`` started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_text()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and "spawn_main" in command:
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 @pytest.mark.parametrize("victim", [0, 2], ids=["rank0", "rank2"])
 def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     run_dir = tmp_path / "run"
-    command = fabric_command(3, "train.py", f"rpc.port={free_port()}", *LONG_RUN, f"run_dir={run_dir}")
-    process = start(command, run_dir)
+    # The learners collect in async mode: a killed learner must take its collector along.
+    mode = "async" if REPLAY_RECIPE is not None else "sync"
+    overrides = [*LONG_RUN, f"collector.mode={mode}", f"run_dir={run_dir}"]
+    process = start(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
     ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
     assert sorted(ranks) == [0, 1, 2]
+    collectors = [pid for rank in ranks.values() for pid in collector_processes(rank)]
+    assert len(collectors) == (2 if mode == "async" else 0)
     os.kill(ranks[victim], signal.SIGKILL)
 
     code, stderr, seconds = finish(process, timeout=90)
@@ -75,9 +100,39 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
         assert len(lines) == 1, stderr[-3000:]
         assert f"rank {victim} ({role})" in lines[0]
     assert processes_of(run_dir) == {}, "no rank may outlive the run"
+    assert not any(alive(pid) for pid in collectors), "no collector may outlive the run"
 
 
-def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
+@pytest.mark.skipif(REPLAY_RECIPE is None, reason="async collection is for replay recipes")
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
+    run_dir = tmp_path / "run"
+    overrides = [*LONG_RUN, "collector.mode=async", "collector.timeout=10", f"run_dir={run_dir}"]
+    process = start(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
+    learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 2)
+    (collector,) = collector_processes(learner)
+    os.kill(collector, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+
+    code, stderr, seconds = finish(process, timeout=90)
+    assert code != 0 and seconds < 60
+    reason = {
+        "dies": "rank 2 (learner) failed: the collector process of rank 2 (learner) died",
+        "hangs": "the collector of rank 2 (learner) stopped: nothing for 10 s",
+    }[fault]
+    for rank in (0, 1, 2):
+        lines = [
+            line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ") and "stopping:" in line
+        ]
+        assert lines and reason in lines[0], stderr[-3000:]
+    # One line says it all: no rank prints a traceback (the launcher prints its own).
+    assert '/learner.py", line' not in stderr, stderr[-3000:]
+    assert processes_of(run_dir) == {} and not alive(collector), "nothing may outlive the run"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, mode):
+    if mode == "async" and REPLAY_RECIPE is None:
+        pytest.skip("async collection is for replay recipes")
     run_dir = tmp_path / "run"
     command = [
         sys.executable,
@@ -85,6 +140,7 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
         "fabric.devices=3",
         "fabric.accelerator=cpu",
         f"rpc.port={free_port()}",
+        f"collector.mode={mode}",
     ]
     # Checkpoints on, but none due before the signal: the stop writes one.
     process = start([*command, *LONG_RUN, "checkpoint.every=5000000", f"run_dir={run_dir}"], run_dir)
@@ -98,6 +154,9 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert (run_dir / "checkpoints" / "final.pt").is_file()
     assert checkpoint.read_meta(checkpoint.latest(run_dir))["frames"] == summary["frames_collected"]
+    if REPLAY_RECIPE is not None:
+        # Every frame counted is in replay, once: none was in flight, none went missing.
+        assert summary["replay_size"] == summary["frames_collected"]
     assert processes_of(run_dir) == {}
 
 

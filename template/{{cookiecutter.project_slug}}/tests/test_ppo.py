@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
+from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.recipes import ppo
+
+from .conftest import collect_one_batch
 
 
 def make_agent_and_batch():
@@ -13,11 +15,7 @@ def make_agent_and_batch():
     env = make_env("CartPole-v1", num_envs=4, seed=0)
     agent = ppo.Agent(ppo.Config(hidden_sizes=[16]), env)
     # 4 copies x 40 steps: several CartPole episodes end inside the batch.
-    collector = VectorCollector(
-        env, agent.policy, frames_per_batch=160, total_frames=160, device=torch.device("cpu")
-    )
-    batch = next(iter(collector))
-    collector.shutdown()
+    batch = collect_one_batch(env, agent.policy, 160)
     return agent, batch
 
 

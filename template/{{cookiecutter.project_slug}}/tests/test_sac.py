@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from {{ cookiecutter.package_name }}.collector import VectorCollector, make_env
+from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.recipes import sac
 from {{ cookiecutter.package_name }}.replay import ReplayShard
+
+from .conftest import collect_one_batch
 
 
 def make_agent_and_batch(batch_size: int = 32):
     torch.manual_seed(0)
     env = make_env("Pendulum-v1", num_envs=4, seed=0)
     agent = sac.Agent(sac.Config(hidden_sizes=[16], batch_size=batch_size), env)
-    collector = VectorCollector(
-        env, agent.policy, frames_per_batch=128, total_frames=128, device=torch.device("cpu")
-    )
-    frames = next(iter(collector)).reshape(-1)
-    collector.shutdown()
+    frames = collect_one_batch(env, agent.policy, 128).reshape(-1)
     shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
     shard.extend(frames.select(*agent.batch_keys))
     batch, _, _ = shard.sample(batch_size)

@@ -15,6 +15,7 @@ from {{ cookiecutter.package_name }} import recipes
 from .conftest import (
     PROJECT,
     RECIPES,
+    REPLAY_RECIPE,
     command_env,
     expected_updates,
     fabric_command,
@@ -110,6 +111,31 @@ def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):
         f"run_dir={tmp_path / 'run'}",
     ]
     check_three_rank_summary(read_summary(run_command(command)))
+
+
+def test_async_collection_on_three_ranks_keeps_the_replay_ratio_and_reports_the_lag(tmp_path, tiny):
+    summary = read_summary(
+        fabric_run(3, *tiny, "collector.mode=async", "collector.weight_sync_every=2", f"run_dir={tmp_path}")
+    )
+    assert summary["collector_mode"] == "async"
+    check_three_rank_summary(summary)
+    # As many samples per inserted frame as sync mode: 20 updates of a batch on each of
+    # two learners, for 3072 frames.
+    batch_size = recipes.load(REPLAY_RECIPE).Config().batch_size
+    assert summary["samples_per_insert"] == pytest.approx(2 * 20 * batch_size / 3072)
+    # A batch is collected while the learner trains on the one before it (4 updates), with
+    # weights pushed every 2 updates: its frames are at most 4 + 2 - 1 updates old.
+    assert 0 < summary["policy_lag"] <= 5
+
+
+def test_sync_collection_is_reproducible(tmp_path):
+    recipe = RECIPES[0]
+    checksums = []
+    for attempt in ("first", "second"):
+        overrides = [*tiny_overrides(recipe), "seed=3", f"run_dir={tmp_path / attempt}"]
+        summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
+        checksums.append(summary["learner_param_checksums"]["0"])
+    assert checksums[0] == checksums[1]
 
 
 def test_bad_input_under_fabric_run_is_reported_and_fails():

@@ -1,37 +1,57 @@
-"""Environments, and the collector that steps them with the learner's own policy."""
+"""Environments, and the torchrl collectors that step them with a learner's policy.
+
+``collector.mode=sync``: torchrl's ``Collector`` runs in the learner's process and acts
+with the learner's own modules, so it sees every optimizer step; collection and updates
+take turns. ``collector.mode=async``: torchrl's ``AsyncCollector`` runs the same collector
+in a child process with its own copy of the policy, which the learner refreshes every
+``collector.weight_sync_every`` updates; it collects the next batch while the learner
+trains on the current one, and waits for the learner to take that batch before it starts
+another (see ``learner.off_policy``).
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
+import signal
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import gymnasium as gym
-import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from omegaconf import DictConfig
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+from torchrl.collectors import AsyncCollector, Collector
 from torchrl.envs import EnvBase, GymWrapper, RewardSum
-from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.weight_update import SharedMemWeightSyncScheme
+
+from .config import ASYNC
+from .watchdog import RankFailure
+
+POLICY_VERSION = "policy_version"
 
 
 def make_env(env_id: str, num_envs: int, seed: int, device: torch.device | str = "cpu") -> EnvBase:
     """``num_envs`` copies of ``env_id`` stepped as one batch in this process, as a torchrl env.
 
     gymnasium's synchronous vector env avoids the subprocesses of ``GymEnv(num_envs=N)``,
-    which are slower for cheap environments; torchrl accepts only same-step autoreset.
-    ``RewardSum`` (see ``as_torchrl``) adds ``episode_reward`` so returns can be read off
-    any rollout.
+    which are slower for cheap environments. Autoreset is left to torchrl (gymnasium's
+    ``DISABLED`` mode): torchrl then resets the finished copies through a mask, where
+    same-step autoreset costs a Python loop over the copies at every step.
     """
     vector_env = gym.make_vec(
         env_id,
         num_envs=num_envs,
         vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
     )
     return as_torchrl(vector_env, seed, device)
 
 
 def as_torchrl(gym_env: gym.Env, seed: int, device: torch.device | str = "cpu") -> EnvBase:
-    """A gymnasium env as a seeded torchrl env with ``episode_reward``."""
+    """A gymnasium env as a seeded torchrl env whose steps carry ``episode_reward``, the
+    return so far, from which the learner reads the returns of finished episodes."""
     # A wrapped vector env is already a TransformedEnv and appends in place; any other env
     # comes back wrapped in a new one: use what append_transform returns.
     env = GymWrapper(gym_env, device=device).append_transform(RewardSum())
@@ -39,105 +59,83 @@ def as_torchrl(gym_env: gym.Env, seed: int, device: torch.device | str = "cpu") 
     return env
 
 
-class VectorCollector:
-    """Steps the vector env behind ``env`` (from ``make_env``) with ``policy`` and yields
-    batches of ``frames_per_batch`` frames, shaped ``[num_envs, steps]`` in torchrl's layout:
-    ``observation``, the policy's outputs (``action``, ...), and under ``next`` the
-    ``observation``, ``reward``, ``done``, ``terminated``, ``truncated`` and
-    ``episode_reward``, as torchrl's ``Collector`` with a ``RewardSum`` would give them.
+def make_collector(
+    cfg: DictConfig, policy: TensorDictModuleBase, seed: int, total_frames: int, device: torch.device
+) -> Collector | CollectorProcess:
+    """The collector of ``cfg.collector.mode`` for one learner: batches of
+    ``collector.frames_per_batch`` frames shaped ``[num_envs, steps]`` (time last), on the CPU.
 
-    Why not torchrl's ``Collector``: on a batch of CartPoles its env wrapper, transforms and
-    step bookkeeping cost about 2 ms of Python per step, while gymnasium steps 8 copies in
-    0.1 ms; it reached 0.11 of a plain gymnasium loop's frames/s (benchmarks/collection.py).
-    Here each step is one policy call and one gymnasium step, and torchrl's wrapper is used
-    only to translate actions and observations. The policy shares the learner's
-    parameters, so it always acts with the latest weights and nothing is copied.
+    Settings measured for speed (benchmarks/collection.py): no trajectory ids (nothing
+    reads them), and no policy transforms registered behind the recipe's back.
     """
+    make = functools.partial(make_env, cfg.env.id, cfg.env.num_envs, seed)
+    settings = {
+        "frames_per_batch": cfg.collector.frames_per_batch,
+        "total_frames": total_frames,
+        "storing_device": "cpu",
+        "env_device": "cpu",
+    }
+    if cfg.collector.mode == ASYNC:
+        # The child acts with a CPU copy of the policy in shared memory: it never touches the
+        # learner's GPU, and the learner decides when the copy changes (push_weights).
+        # Every frame records the version (the number of pushes) of the weights it was
+        # collected with, from which the learner computes the policy lag. The child ignores
+        # SIGINT and SIGTERM (an ignored signal stays ignored in a child, and Python keeps
+        # it so): a Ctrl-C stops the run through this process, at a step's end.
+        with signals_ignored(signal.SIGINT, signal.SIGTERM):
+            return CollectorProcess(
+                make,
+                copy.deepcopy(policy).cpu(),
+                policy_device="cpu",
+                track_policy_version=True,
+                **settings,
+            )
+    return Collector(
+        make(),
+        policy,
+        policy_device=device,
+        track_traj_ids=False,
+        auto_register_policy_transforms=False,
+        **settings,
+    )
 
-    def __init__(
-        self,
-        env: EnvBase,
-        policy: TensorDictModuleBase,
-        frames_per_batch: int,
-        total_frames: int,
-        device: torch.device,
-    ) -> None:
-        self.wrapper = env.base_env
-        # GymWrapper keeps the gymnasium env it wraps as `_env`: stepping that directly is
-        # the point of this class. tests/test_collector.py fails if torchrl moves it.
-        self.envs: gym.vector.VectorEnv = self.wrapper._env
-        self.policy = policy
-        self.num_envs = self.envs.num_envs
-        self.steps_per_batch = frames_per_batch // self.num_envs
-        self.total_frames = total_frames
-        self.device = device
-        # make_env seeded the envs; this reset continues their seeded generators.
-        self._observation = self.wrapper.read_obs(self.envs.reset()[0])
-        self._episode_reward = np.zeros(self.num_envs)
 
-    def __iter__(self) -> Iterator[TensorDictBase]:
-        frames = 0
-        while frames < self.total_frames:
-            yield self.collect()
-            frames += self.steps_per_batch * self.num_envs
+class CollectorProcess(AsyncCollector):
+    """torchrl's ``AsyncCollector``, which also closes its weight-sync scheme when it shuts
+    down: torchrl 0.14.1 leaves that to the scheme's ``__del__``, which, run at interpreter
+    exit, starts a queue thread and hangs the exit."""
 
-    @torch.no_grad()
-    def collect(self) -> TensorDictBase:
-        """One batch. Per step only the policy call, the env step and list appends run;
-        tensors are stacked and converted once per batch."""
-        acted, next_observations = [], []
-        rewards, terminated, truncated, episode_rewards = [], [], [], []
-        with set_exploration_type(ExplorationType.RANDOM):
-            for _ in range(self.steps_per_batch):
-                td = TensorDict(self._observation, [self.num_envs])
-                if self.device.type != "cpu":
-                    td = self.policy(td.to(self.device)).to("cpu")
-                else:
-                    td = self.policy(td)
-                acted.append(td)
-                observation, reward, ended, cut, info = self.envs.step(self.wrapper.read_action(td["action"]))
-                self._observation = self.wrapper.read_obs(observation)
-                if "final_obs" in info:
-                    # Same-step autoreset returned the first observation of the next
-                    # episode for the envs that finished; the transition needs the last
-                    # observation of the episode that ended.
-                    next_observations.append(
-                        self.wrapper.read_obs(self._last_observations(observation, info))
-                    )
-                else:
-                    next_observations.append(self._observation)
-                self._episode_reward += reward
-                rewards.append(reward)
-                terminated.append(ended)
-                truncated.append(cut)
-                episode_rewards.append(self._episode_reward.copy())
-                self._episode_reward[ended | cut] = 0.0
+    def __init__(self, *args, **kwargs) -> None:
+        self.weight_sync = SharedMemWeightSyncScheme()  # torchrl's default for this collector
+        super().__init__(*args, weight_sync_schemes={"policy": self.weight_sync}, **kwargs)
 
-        def stacked(arrays: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
-            return torch.as_tensor(np.stack(arrays, axis=1), dtype=dtype).unsqueeze(-1)
+    def shutdown(self, *args, **kwargs) -> None:
+        super().shutdown(*args, **kwargs)
+        self.weight_sync.shutdown()
 
-        batch = torch.stack(acted, dim=1)
-        ended, cut = stacked(terminated, torch.bool), stacked(truncated, torch.bool)
-        batch["next"] = torch.stack([TensorDict(o, [self.num_envs]) for o in next_observations], dim=1)
-        batch["next"].update(
-            {
-                "reward": stacked(rewards, torch.float32),
-                "done": ended | cut,
-                "terminated": ended,
-                "truncated": cut,
-                "episode_reward": stacked(episode_rewards, torch.float32),
-            }
-        )
-        return batch
 
-    def _last_observations(self, observation, info: dict):
-        rows = gym.vector.utils.iterate(self.envs.observation_space, observation)
-        finished = zip(info["final_obs"], info["_final_obs"], strict=True)
-        last = [final if done else row for row, (final, done) in zip(rows, finished, strict=True)]
-        space = self.envs.single_observation_space
-        return gym.vector.utils.concatenate(
-            space, last, gym.vector.utils.create_empty_array(space, len(last))
-        )
+class CollectorFailed(RankFailure):
+    """The collector's process died."""
 
-    def shutdown(self) -> None:
-        self.envs.close()
+
+def next_batch(batches: Iterator[TensorDictBase], owner: str) -> TensorDictBase | None:
+    """The next batch, or None at the end; a dead collector process is one clear error."""
+    try:
+        return next(batches, None)
+    except RuntimeError as error:  # how torchrl reports a worker that died
+        raise CollectorFailed(f"the collector process of {owner} died ({error})") from None
+
+
+@contextmanager
+def signals_ignored(*signals: signal.Signals) -> Iterator[None]:
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def push_weights(collector: CollectorProcess, policy: TensorDictModuleBase) -> None:
+    """Copy the learner's current ``policy`` weights into the collector's copy."""
+    collector.update_policy_weights_(policy)

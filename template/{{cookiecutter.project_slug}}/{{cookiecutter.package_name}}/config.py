@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from . import recipes
 
 LOGGERS = ("csv", "tensorboard")
+SYNC, ASYNC = "sync", "async"  # collector.mode
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,9 @@ class EnvConfig:
 @dataclass
 class CollectorConfig:
     frames_per_batch: int = MISSING
+    mode: str = MISSING
+    weight_sync_every: int = MISSING
+    timeout: float = MISSING
 
 
 @dataclass
@@ -143,6 +147,16 @@ def validate(cfg: DictConfig) -> None:
             f"collector.frames_per_batch ({cfg.collector.frames_per_batch}) must be a multiple "
             f"of env.num_envs ({cfg.env.num_envs})"
         )
+    if cfg.collector.mode not in (SYNC, ASYNC):
+        raise ConfigError(f"collector.mode must be {SYNC} or {ASYNC}, got '{cfg.collector.mode}'")
+    if cfg.collector.mode == ASYNC and not recipes.load(cfg.recipe).Agent.uses_replay:
+        raise ConfigError(
+            f"collector.mode=async is for replay recipes; '{cfg.recipe}' trains on what it just "
+            "collected, so it collects in sync mode"
+        )
+    for key in ("collector.weight_sync_every", "collector.timeout"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
     if cfg.replay.ranks < 0:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
     if cfg.checkpoint.every < 0:

@@ -10,7 +10,7 @@ import torch
 from tensordict.nn import TensorDictModuleBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from .collector import as_torchrl, make_env
+from .collector import as_torchrl
 
 MAX_EPISODE_STEPS = 10_000
 
@@ -18,12 +18,23 @@ MAX_EPISODE_STEPS = 10_000
 def evaluate(
     policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, device: torch.device
 ) -> list[float]:
-    """Returns of ``episodes`` greedy episodes, run side by side as one batch of envs."""
-    env = make_env(env_id, episodes, seed, device)
+    """Returns of ``episodes`` greedy episodes, run side by side as one batch of envs.
+
+    The rollout stops once every copy has finished its first episode (torchrl's partial
+    steps stop stepping a copy that is done). torchrl still hands a finished copy's action
+    to gymnasium, which refuses it unless it resets copies itself: same-step autoreset.
+    """
+    vector_env = gym.make_vec(
+        env_id,
+        num_envs=episodes,
+        vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+    )
+    env = as_torchrl(vector_env, seed, device)
     max_steps = gym.spec(env_id).max_episode_steps or MAX_EPISODE_STEPS
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
-            rollout = env.rollout(max_steps, policy, break_when_any_done=False)
+            rollout = env.rollout(max_steps, policy, break_when_any_done=False, break_when_all_done=True)
     finally:
         env.close()
     done = rollout["next", "done"].squeeze(-1)

@@ -1,184 +1,273 @@
-"""The learner's loop. Replay recipes: collect, push to replay, sample, update with DDP, send
-priorities back. On-policy recipes: collect, then a few epochs of DDP updates on minibatches
-of what was just collected.
+"""The learner's two loops, one per kind of recipe, each read top to bottom.
+
+``off_policy`` (recipes with replay): collect a batch, push it to replay, sample batches,
+update with DDP, send priorities back. ``on_policy`` (PPO): collect a batch, then a few
+epochs of DDP updates on minibatches of what was just collected.
 
 Every learner runs the same number of collector steps and the same number of updates per
-step, so the DDP all-reduces of all learners always pair up.
+step, so the DDP all-reduces of all learners always pair up. ``Learner`` holds what both
+loops share: the agent and its optimizer, the counters, and what happens between steps
+(reports, evaluations, checkpoints, a stop request).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric import Fabric
+from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint
-from .collector import VectorCollector, make_env
+from .collector import POLICY_VERSION, make_collector, make_env, next_batch, push_weights
+from .config import ASYNC
 from .evaluation import evaluate
 from .replay import ReplayClient
 from .topology import Topology
-from .watchdog import StopRequest
+from .watchdog import Watchdog
 
 
-def train(
-    fabric: Fabric,
-    cfg: DictConfig,
-    topology: Topology,
-    recipe: ModuleType,
-    replay: ReplayClient | None,
-    recorder: Any,
-    learner_group: Any,
-    stop: StopRequest,
-    resumed: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """Train until ``total_frames`` or a stop request; ``resumed`` is the checkpoint's
-    meta (``checkpoint.check_resume``) when the run goes on from one."""
-    learners = len(topology.learner_ranks)
-    index = topology.learner_index
-    algo = recipe.Config(**OmegaConf.to_container(cfg.algo))
-    max_norm = getattr(algo, "max_grad_norm", None)
-    frames, updates = (resumed["frames"], resumed["updates"]) if resumed else (0, 0)
-    # A resumed run starts new episodes: environments cannot be saved mid-episode.
-    env = make_env(cfg.env.id, cfg.env.num_envs, seed=cfg.seed + 1000 * index + frames)
+@dataclass
+class Run:
+    """What a learner needs to know about the run it is part of."""
 
-    # The same seed on every learner gives identical initial weights (DDP also broadcasts
-    # them from the first learner); the environments above got their own seeds.
-    fabric.seed_everything(cfg.seed, verbose=False)
-    agent = recipe.Agent(algo, env).to(fabric.device)
-    optimizer = agent.make_optimizer()
-    if resumed:
-        checkpoint.restore_learner(Path(resumed["folder"]), index, agent, optimizer, fabric.device)
-    model = agent
-    if learners > 1:
-        # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
-        # replay ranks hold no model. This one all-reduces over the learners only.
-        model = DistributedDataParallel(
-            agent,
-            device_ids=[fabric.device.index] if fabric.device.type == "cuda" else None,
-            process_group=learner_group,
-            forward_sync_buffers=False,
-        )
+    cfg: DictConfig
+    recipe: ModuleType
+    topology: Topology
+    device: torch.device
+    learner_group: Any  # the learners' process group (None with one learner)
+    watchdog: Watchdog  # its ``stop`` is set by SIGINT/SIGTERM on any rank
+    recorder: Any  # rank 0's Recorder, reached over RPC
+    resumed: dict[str, Any] | None = None  # the checkpoint's meta when the run goes on from one
 
-    frames_per_step = cfg.collector.frames_per_batch * learners
-    steps = planned_frames(cfg, learners) // frames_per_step
-    collector = VectorCollector(
-        env,
-        agent.policy,
-        cfg.collector.frames_per_batch,
-        (steps - frames // frames_per_step) * cfg.collector.frames_per_batch,
-        fabric.device,
-    )
+    @property
+    def learners(self) -> int:
+        return len(self.topology.learner_ranks)
 
-    def greedy_returns() -> list[float]:
-        # Each learner plays its share of the episodes (rounded up), on its own seeds.
-        episodes = math.ceil(cfg.eval.episodes / learners)
-        seed = cfg.seed + 1_000_000 + 1000 * index
-        return evaluate(agent.policy, cfg.env.id, episodes, seed, fabric.device)
 
-    window = Window()
-    step = functools.partial(update, model, optimizer, agent, window, max_norm)
-    reports = []
-    saved_at = frames
-    started = time.monotonic()
-    for batch in collector:
-        if all_agree(stop, learner_group, learners, fabric.device):
-            break  # asked to stop (SIGINT, SIGTERM): every learner leaves at this same step
-        frames += frames_per_step
-        window.add_episodes(batch)
-        if agent.uses_replay:
-            agent.after_collect(batch, frames_per_step)
-            replay.extend(batch.reshape(-1).select(*agent.batch_keys))
-            if frames >= algo.learning_starts:
-                if updates == 0:
-                    replay.flush()  # the first sample must see this learner's own frames
-                for _ in range(algo.updates_per_batch):
-                    updates += 1
-                    sample = replay.sample().to(fabric.device)
-                    step(sample, where=f"frame {frames}, update {updates}")
-                    # A non-finite priority would poison the sum tree every later sample is drawn from.
-                    if not torch.isfinite(sample[agent.priority_key]).all():
-                        raise NonFinite(f"non-finite priorities at frame {frames}, update {updates}")
-                    replay.update_priority(sample, agent.priority_key)
-        else:
-            batch = batch.to(fabric.device)
-            agent.after_collect(batch, frames_per_step)
-            # Every learner collected the same number of frames, so all run the same
-            # number of minibatches and their all-reduces pair up.
-            transitions = batch.reshape(-1)
-            for _ in range(algo.epochs):
-                for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
-                    updates += 1
-                    step(minibatch, where=f"frame {frames}, update {updates}")
+def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
+    """Train a replay recipe until ``total_frames`` or a stop request.
 
-        if crossed(frames, frames_per_step, cfg.log_every):
-            reports.append(recorder.rpc_async().report(frames, window.flush()))
-        if crossed(frames, frames_per_step, cfg.eval.every):
-            returns = greedy_returns()
-            reports.append(recorder.rpc_async().report(frames, {"eval_return": sum(returns) / len(returns)}))
-        if crossed(frames, frames_per_step, cfg.checkpoint.every):
-            # The rows reported so far belong with the checkpoint: wait until rank 0 has them.
-            torch.futures.wait_all(reports)
-            save_checkpoint(
-                cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
+    In ``collector.mode=async`` the collector's process gathers the next batch while this
+    loop trains on the current one, and waits until the loop asks for it: inserts and
+    samples keep the ratio of ``sync`` mode (``updates_per_batch`` batches of
+    ``batch_size`` per ``frames_per_batch`` collected), give or take the one batch in
+    flight, whichever side is faster waiting for the other.
+    """
+    learner = Learner(run)
+    agent, algo = learner.agent, learner.algo
+    for batch in learner.batches():
+        agent.after_collect(batch, learner.frames_per_step)
+        replay.extend(batch.reshape(-1).select(*agent.batch_keys))
+        learner.inserted += batch.numel()
+        if learner.frames >= algo.learning_starts:
+            if learner.updates == 0:
+                replay.flush()  # the first sample must see this learner's own frames
+            for _ in range(algo.updates_per_batch):
+                sample = replay.sample().to(run.device)
+                learner.update(sample)
+                # A non-finite priority would poison the sum tree every later sample is drawn from.
+                if not torch.isfinite(sample[agent.priority_key]).all():
+                    raise NonFinite(f"non-finite priorities at {learner.where()}")
+                replay.update_priority(sample, agent.priority_key)
+                learner.sampled += sample.numel()
+        learner.between_steps(replay)
+    return learner.finish(replay)
+
+
+def on_policy(run: Run) -> dict[str, Any]:
+    """Train an on-policy recipe (DD-PPO) until ``total_frames`` or a stop request."""
+    learner = Learner(run)
+    agent, algo = learner.agent, learner.algo
+    for batch in learner.batches():
+        batch = batch.to(run.device)
+        agent.after_collect(batch, learner.frames_per_step)
+        # Every learner collected the same number of frames, so all run the same number
+        # of minibatches and their all-reduces pair up.
+        transitions = batch.reshape(-1)
+        for _ in range(algo.epochs):
+            for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
+                learner.update(minibatch)
+        learner.between_steps(None)
+    return learner.finish(None)
+
+
+class Learner:
+    """One learner's agent, optimizer and counters, and what its loops share."""
+
+    def __init__(self, run: Run) -> None:
+        cfg = run.cfg
+        self.run = run
+        self.index = run.topology.learner_index
+        self.algo = run.recipe.Config(**OmegaConf.to_container(cfg.algo))
+        self.max_norm = getattr(self.algo, "max_grad_norm", None)
+        self.frames, self.updates = (run.resumed["frames"], run.resumed["updates"]) if run.resumed else (0, 0)
+        self.frames_per_step = cfg.collector.frames_per_batch * run.learners
+        # Transitions this learner inserted into replay and sampled from it.
+        self.inserted, self.sampled = 0, 0
+        # The same seed on every learner gives identical initial weights (DDP also
+        # broadcasts them from the first learner); the environments get their own seeds.
+        seed_everything(cfg.seed, verbose=False)
+        spec_env = make_env(cfg.env.id, cfg.env.num_envs, seed=0)  # what the agent's layers are sized by
+        self.agent = run.recipe.Agent(self.algo, spec_env).to(run.device)
+        spec_env.close()
+        self.optimizer = self.agent.make_optimizer()
+        if run.resumed:
+            checkpoint.restore_learner(
+                Path(run.resumed["folder"]), self.index, self.agent, self.optimizer, run.device
             )
-            saved_at = frames
-    if stop.is_set() and cfg.checkpoint.every > 0 and saved_at != frames:
-        # Stopped early: the run can go on from here.
-        torch.futures.wait_all(reports)
-        save_checkpoint(
-            cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
-        )
-    train_s = time.monotonic() - started
-    collector.shutdown()
-    if agent.uses_replay:
-        replay.flush()
-    for report in reports:
-        report.wait()
+        self.model = self.agent
+        if run.learners > 1:
+            # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
+            # replay ranks hold no model. This one all-reduces over the learners only.
+            self.model = DistributedDataParallel(
+                self.agent,
+                device_ids=[run.device.index] if run.device.type == "cuda" else None,
+                process_group=run.learner_group,
+                forward_sync_buffers=False,
+            )
+        self.window = Window()
+        self.reports: list[torch.futures.Future] = []
+        self.saved_at = self.frames
+        # An async collector acts with its own copy of the policy, refreshed every
+        # weight_sync_every updates. Each refresh is a policy version; the lag of a frame
+        # is the number of updates made since the version it was collected with.
+        self.weight_sync_every = cfg.collector.weight_sync_every if cfg.collector.mode == ASYNC else 0
+        self.pushed_at = [self.updates]
+        self.lags: list[float] = []
+        self.started = time.monotonic()
 
-    stats = {
-        "frames": frames // learners,
-        "stopped_by": stop.signal,
-        "updates": updates,
-        "train_s": train_s,
-        "param_checksum": sum(p.detach().double().sum() for p in agent.parameters()).item(),
-        "eval_returns": greedy_returns(),
-    }
-    if index == 0:  # the learners' weights are identical: one of them saves
-        stats["checkpoint"] = str(checkpoint.save_agent(Path(cfg.run_dir) / checkpoint.FINAL, cfg, agent))
-    return stats
+    def batches(self) -> Iterator[TensorDictBase]:
+        """The collector's batches until ``total_frames``, or until a learner is asked to
+        stop; counts frames and records finished episodes. A collector that produces no
+        batch for ``collector.timeout`` seconds stops the run."""
+        cfg, run = self.run.cfg, self.run
+        # This learner's share of the frames still to collect.
+        frames = (planned_frames(cfg, run.learners) - self.frames) // run.learners
+        # A resumed run starts new episodes: environments cannot be saved mid-episode.
+        seed = cfg.seed + 1000 * self.index + self.frames
+        # Starting an async collector's process imports torch anew: allow it more time.
+        with self.collector_deadline(startup=True):
+            self.collector = make_collector(cfg, self.agent.policy, seed, frames, run.device)
+        owner = run.watchdog.label(run.topology.rank)
+        batches = iter(self.collector)
+        while True:
+            with self.collector_deadline():
+                batch = next_batch(batches, owner)
+            if batch is None or all_agree(run.watchdog.stop, run.learner_group, run.learners, run.device):
+                return  # done, or asked to stop (SIGINT, SIGTERM): every learner leaves at this same step
+            self.frames += self.frames_per_step
+            self.window.add_episodes(batch)
+            if POLICY_VERSION in batch.keys():
+                versions = batch[POLICY_VERSION].flatten()
+                self.lags.append(self.updates - float(torch.tensor(self.pushed_at)[versions].float().mean()))
+            yield batch
+
+    def update(self, batch: TensorDictBase) -> None:
+        """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners."""
+        self.updates += 1
+        loss, metrics = self.model(batch)
+        if not torch.isfinite(loss):
+            # Checked before the step: the weights and the priorities stay finite.
+            raise NonFinite(f"non-finite loss ({loss.item()}) at {self.where()}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.max_norm is not None:
+            # After backward, DDP has all-reduced the gradients: every learner clips the same.
+            torch.nn.utils.clip_grad_norm_(self.agent.parameters(), self.max_norm)
+        self.optimizer.step()
+        self.agent.after_update()
+        self.window.add_metrics(metrics)
+        if self.weight_sync_every and self.updates % self.weight_sync_every == 0:
+            with self.collector_deadline():  # the collector's process acknowledges the copy
+                push_weights(self.collector, self.agent.policy)
+            self.pushed_at.append(self.updates)
+
+    def collector_deadline(self, startup: bool = False) -> AbstractContextManager:
+        """Stop the run if the collector keeps this learner waiting for ``collector.timeout``
+        seconds (four times that to start)."""
+        owner = self.run.watchdog.label(self.run.topology.rank)
+        timeout = self.run.cfg.collector.timeout * (4 if startup else 1)
+        return self.run.watchdog.deadline(f"the collector of {owner}", timeout)
+
+    def where(self) -> str:
+        return f"frame {self.frames}, update {self.updates}"
+
+    def between_steps(self, replay: ReplayClient | None) -> None:
+        """Report metrics, evaluate and write a checkpoint when their frame comes."""
+        cfg, recorder = self.run.cfg, self.run.recorder
+        if crossed(self.frames, self.frames_per_step, cfg.log_every):
+            self.reports.append(recorder.rpc_async().report(self.frames, self.window.flush()))
+        if crossed(self.frames, self.frames_per_step, cfg.eval.every):
+            returns = self.greedy_returns()
+            self.reports.append(recorder.rpc_async().report(self.frames, {"eval_return": mean(returns)}))
+        if crossed(self.frames, self.frames_per_step, cfg.checkpoint.every):
+            self.save_checkpoint(replay)
+
+    def greedy_returns(self) -> list[float]:
+        """Each learner plays its share of the evaluation episodes (rounded up), on its own seeds."""
+        cfg = self.run.cfg
+        episodes = math.ceil(cfg.eval.episodes / self.run.learners)
+        seed = cfg.seed + 1_000_000 + 1000 * self.index
+        return evaluate(self.agent.policy, cfg.env.id, episodes, seed, self.run.device)
+
+    def save_checkpoint(self, replay: ReplayClient | None) -> None:
+        # The rows reported so far belong with the checkpoint: wait until rank 0 has them.
+        torch.futures.wait_all(self.reports)
+        run = self.run
+        save_checkpoint(
+            run.cfg, self.frames, self.updates, self.agent, self.optimizer, replay,
+            run.topology, run.learner_group, run.device,
+        )  # fmt: skip
+        self.saved_at = self.frames
+
+    def finish(self, replay: ReplayClient | None) -> dict[str, Any]:
+        """Checkpoint a stopped run, close the collector, wait for every report, and return
+        this learner's statistics for the summary."""
+        cfg, stop = self.run.cfg, self.run.watchdog.stop
+        if stop.is_set() and cfg.checkpoint.every > 0 and self.saved_at != self.frames:
+            self.save_checkpoint(replay)  # stopped early: the run can go on from here
+        train_s = time.monotonic() - self.started
+        self.collector.shutdown()
+        if replay is not None:
+            replay.flush()
+        for report in self.reports:
+            report.wait()
+        stats = {
+            "frames": self.frames // self.run.learners,
+            "stopped_by": stop.signal,
+            "updates": self.updates,
+            "train_s": train_s,
+            "inserted": self.inserted,
+            "sampled": self.sampled,
+            "policy_lag": mean(self.lags) if self.lags else 0.0,
+            "param_checksum": sum(p.detach().double().sum() for p in self.agent.parameters()).item(),
+            "eval_returns": self.greedy_returns(),
+        }
+        if self.index == 0:  # the learners' weights are identical: one of them saves
+            path = checkpoint.save_agent(Path(cfg.run_dir) / checkpoint.FINAL, cfg, self.agent)
+            stats["checkpoint"] = str(path)
+        return stats
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 class NonFinite(FloatingPointError):
     """A loss or priority that is NaN or infinite; training cannot go on from it."""
-
-
-def update(model, optimizer, agent, window: Window, max_norm: float | None, batch, where: str) -> None:
-    """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners.
-    ``max_norm`` clips the gradients' norm (the recipe's ``max_grad_norm``); ``where`` says
-    where the run is, for the error should the loss not be finite."""
-    loss, metrics = model(batch)
-    if not torch.isfinite(loss):
-        # Checked before the step: the weights and the priorities stay finite.
-        raise NonFinite(f"non-finite loss ({loss.item()}) at {where}")
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if max_norm is not None:
-        # After backward, DDP has all-reduced the gradients: every learner clips the same.
-        torch.nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-    optimizer.step()
-    agent.after_update()
-    window.add_metrics(metrics)
 
 
 def save_checkpoint(

@@ -50,6 +50,7 @@ class Recorder:
         self.fabric = fabric
         self.topology = topology
         self.title = f"{cfg.recipe} on {cfg.env.id}, seed {cfg.seed}"
+        self.collector_mode = cfg.collector.mode
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.resumed_from = resumed["folder"] if resumed else None
@@ -141,6 +142,7 @@ class Recorder:
         frames = sum(stats["frames"] for stats in learners)
         updates = learners[0]["updates"]
         train_s = max(stats["train_s"] for stats in learners)
+        sampled, inserted = (sum(stats[key] for stats in learners) for key in ("sampled", "inserted"))
         summary = {
             "world_size": self.topology.world_size,
             "roles": self.topology.roles,
@@ -152,6 +154,11 @@ class Recorder:
             "resumed_from": self.resumed_from,
             "stopped_by": next((stats["stopped_by"] for stats in learners if stats["stopped_by"]), None),
             "updates": updates,
+            "collector_mode": self.collector_mode,
+            # Transitions sampled per transition inserted, over the whole run (0 before
+            # learning starts), and how many updates old the collector's weights were.
+            "samples_per_insert": sampled / inserted if inserted else 0.0,
+            "policy_lag": sum(stats["policy_lag"] for stats in learners) / len(learners),
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
             },

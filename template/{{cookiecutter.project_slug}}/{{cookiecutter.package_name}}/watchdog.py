@@ -18,6 +18,7 @@ all the others.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -38,6 +39,11 @@ FAILED = "failed"  # the first failure's message; later ones do not overwrite it
 STOP = "stop"  # the name of the first stop signal any rank received
 # What a store call raises once the store is gone.
 STORE_ERRORS = (RuntimeError, dist.DistError)
+
+
+class RankFailure(Exception):
+    """A failure this rank explains in one line (a dead child process, say): reported
+    without a traceback."""
 
 
 class StopRequest(threading.Event):
@@ -78,9 +84,10 @@ class Watchdog:
             self._thread.start()
         try:
             yield self
-        except FloatingPointError as error:
-            # The training itself went wrong (learner.NonFinite): one line says where.
-            self._give_up(f"{self._label(self.topology.rank)} failed: {error}")
+        except (FloatingPointError, RankFailure) as error:
+            # The training itself went wrong (learner.NonFinite), or a child process of
+            # this rank did: one line says where.
+            self._give_up(f"{self.label(self.topology.rank)} failed: {error}")
         except BaseException as error:
             if self.store is None:
                 raise
@@ -90,7 +97,7 @@ class Watchdog:
                 # to name the rank that died before blaming this one.
                 time.sleep(self.timeout_s + 2 * INTERVAL_S)
             log.exception("this rank failed")
-            self._give_up(f"{self._label(self.topology.rank)} failed: {type(error).__name__}: {error}")
+            self._give_up(f"{self.label(self.topology.rank)} failed: {type(error).__name__}: {error}")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -129,11 +136,11 @@ class Watchdog:
                     if count != previous:
                         last_seen[rank] = (count, now)
                     elif now - since > self.timeout_s:
-                        self._give_up(f"{self._label(rank)} stopped: no heartbeat for {self.timeout_s:g} s")
+                        self._give_up(f"{self.label(rank)} stopped: no heartbeat for {self.timeout_s:g} s")
             except STORE_ERRORS:
                 if self._closing.is_set():
                     return
-                self._give_up(f"{self._label(0)} stopped: its store does not answer")
+                self._give_up(f"{self.label(0)} stopped: its store does not answer")
 
     def _close(self) -> None:
         """Stop watching once every rank is through the final barrier. Rank 0 hosts the
@@ -152,15 +159,29 @@ class Watchdog:
         except STORE_ERRORS as error:
             log.warning("closing the watchdog's store: %s", str(error).splitlines()[0])
 
-    def _label(self, rank: int) -> str:
+    def label(self, rank: int) -> str:
         return f"rank {rank} ({self.topology.roles[str(rank)]})"
+
+    @contextmanager
+    def deadline(self, what: str, timeout_s: float) -> Iterator[None]:
+        """Stop the run, naming ``what``, if the block takes longer than ``timeout_s``
+        seconds: for waits on a child process, which no heartbeat covers."""
+        timer = threading.Timer(timeout_s, self._give_up, [f"{what} stopped: nothing for {timeout_s:g} s"])
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
 
     def _give_up(self, reason: str) -> None:
         """Exit with code 1 after passing the reason on: the others may not have noticed
         yet, and once rank 0 leaves, its store cannot tell them."""
         log.error("stopping: %s", reason)
         if self.store is None:
-            raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
+            if threading.current_thread() is threading.main_thread():
+                raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
+            _exit_now(1)  # a deadline ran out while the main thread waits
         self._tell_others(FAILED, reason)
         if self.topology.rank == 0:
             time.sleep(2 * INTERVAL_S)
@@ -169,7 +190,11 @@ class Watchdog:
 
 def _exit_now(code: int) -> None:
     """Leave at once: whatever the main thread waits in (an RPC, a gloo collective, the RPC
-    shutdown barrier) cannot be woken safely, and interpreter shutdown would wait for it."""
+    shutdown barrier) cannot be woken safely, and interpreter shutdown would wait for it.
+    Child processes (an async collector) are killed first: one that hangs would never
+    notice that this process is gone."""
+    for child in multiprocessing.active_children():
+        child.kill()
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
