@@ -13,6 +13,13 @@ failed. Counters rather than timestamps: the nodes' clocks need not agree.
 
 The same store carries a stop request (SIGINT, SIGTERM) from whichever rank received it to
 all the others.
+
+Under ``fabric run`` and torchrun each rank also watches its launcher. They start every rank
+in a session of its own, so when the launcher itself is killed (the OOM killer, a
+scheduler's hard kill) nothing reaches the ranks, and they would train on alone and hold
+their ports. The rank's parent changes when the launcher dies (``PR_SET_PDEATHSIG`` would not
+do: it is not inherited across the exec that starts the rank), so the thread compares the
+parent's pid with the one it started under, and every rank exits within a second or two.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ class Watchdog:
                 timeout=timedelta(seconds=timeout_s),
                 wait_for_workers=False,
             )
+        # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
+        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
 
     @contextmanager
@@ -74,7 +83,7 @@ class Watchdog:
         """Watch the other ranks and catch stop signals while the block runs. An exception
         in the block is logged, told to the other ranks, and ends this process with code 1."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        if self.store is not None:
+        if self.store is not None or self.launcher is not None:
             self._thread.start()
         try:
             yield self
@@ -116,6 +125,10 @@ class Watchdog:
         others = [rank for rank in range(self.topology.world_size) if rank != me]
         last_seen = {rank: (-1, time.monotonic()) for rank in others}
         while not self._closing.wait(INTERVAL_S):
+            if self.launcher is not None and os.getppid() != self.launcher:
+                self._give_up(f"the launcher (pid {self.launcher}) is gone: this rank does not outlive it")
+            if self.store is None:
+                continue
             try:
                 self.store.add(f"beat/{me}", 1)
                 if self.store.check([FAILED]):
@@ -138,10 +151,11 @@ class Watchdog:
     def _close(self) -> None:
         """Stop watching once every rank is through the final barrier. Rank 0 hosts the
         store, so it leaves last: it waits until the others have stopped using it."""
+        self._closing.set()
+        if self._thread.is_alive():
+            self._thread.join()
         if self.store is None:
             return
-        self._closing.set()
-        self._thread.join()
         me = self.topology.rank
         try:
             if me == 0:
@@ -159,7 +173,7 @@ class Watchdog:
         """Exit with code 1 after passing the reason on: the others may not have noticed
         yet, and once rank 0 leaves, its store cannot tell them."""
         log.error("stopping: %s", reason)
-        if self.store is None:
+        if self.store is None and threading.current_thread() is threading.main_thread():
             raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
         self._tell_others(FAILED, reason)
         if self.topology.rank == 0:
