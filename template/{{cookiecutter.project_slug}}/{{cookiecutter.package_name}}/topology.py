@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,49 @@ def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
     return address, port or int(os.environ.get("MASTER_PORT", "29500")) + 1
 
 
+def store(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A key-value store served by rank 0 on ``address`` only.
+
+    A ``TCPStore`` left to itself listens on every interface; given a socket already bound
+    to one address (``master_listen_fd``), it listens there. Rank 0 does not wait for the
+    others to connect.
+    """
+    listen_fd = None
+    if rank == 0:
+        family, kind, _, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+        listen_fd = sock.detach()  # the store owns and closes it
+    return dist.TCPStore(
+        address,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
+
+
+BOUND_TCP = "bound-tcp"
+
+
+def _bound_tcp_rendezvous(url: str, **kwargs: Any):
+    """``init_rpc``'s rendezvous through ``store``: torch's own ``tcp://`` handler creates a
+    store that listens on every interface, and a handler is the public way to give RPC
+    another (``register_rendezvous_handler``)."""
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    yield store(parsed.hostname, parsed.port, rank, world_size, float(query["timeout"])), rank, world_size
+    raise RuntimeError("the RPC world cannot be re-formed")
+
+
+dist.register_rendezvous_handler(BOUND_TCP, _bound_tcp_rendezvous)
+
+
 def connect(topology: Topology, address: str, port: int, timeout_s: float):
     """Create the learner group and join the RPC world; returns the learner group.
 
@@ -95,6 +139,7 @@ def connect(topology: Topology, address: str, port: int, timeout_s: float):
         return None
     timeout = timedelta(seconds=timeout_s)
     learner_group = dist.new_group(list(topology.learner_ranks), timeout=timeout)
+    host = f"[{address}]" if ":" in address else address  # an IPv6 address in a URL
     with warnings.catch_warnings():
         # init_rpc's own device-map exchange trips a torch deprecation warning; not ours to fix.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -105,7 +150,9 @@ def connect(topology: Topology, address: str, port: int, timeout_s: float):
             # Only TensorPipe's TCP transport: its shared-memory transport busy-polls one core
             # per rank, which made training four times slower with 3 ranks on 2 cores.
             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                init_method=f"tcp://{address}:{port}", rpc_timeout=timeout_s, _transports=["uv"]
+                init_method=f"{BOUND_TCP}://{host}:{port}?timeout={timeout_s}",
+                rpc_timeout=timeout_s,
+                _transports=["uv"],
             ),
         )
     return learner_group

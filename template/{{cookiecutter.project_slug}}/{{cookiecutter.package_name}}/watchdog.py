@@ -36,7 +36,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .topology import Topology
+from .topology import Topology, store
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,7 @@ class Watchdog:
         self._closing = threading.Event()
         self.store = None
         if topology.world_size > 1:
-            self.store = dist.TCPStore(
-                address,
-                port,
-                topology.world_size,
-                is_master=topology.rank == 0,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
+            self.store = store(address, port, topology.rank, topology.world_size, timeout_s)
         # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
         self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
