@@ -1,5 +1,6 @@
 """Faults and signals on real ranks: a killed rank stops the run, so does a killed launcher,
-Ctrl-C stops it cleanly, a non-finite loss is reported with its step. Nothing hangs, nothing is left behind."""
+Ctrl-C stops it cleanly, a non-finite loss is reported with its step. Nothing hangs, nothing
+is left behind."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_a_killed_launcher_takes_every_rank_with_it_within_60_s(tmp_path):
     # The ranks wrote to the launcher's stderr pipe, which stays readable once they are gone.
     stderr = process.stderr.read()
     for rank in ranks:
-        lines = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ") and "stopping:" in line]
+        lines = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ")]
         assert any(f"the launcher (pid {process.pid}) is gone" in line for line in lines), stderr[-3000:]
 
 

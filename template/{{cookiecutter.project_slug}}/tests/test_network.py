@@ -64,5 +64,5 @@ def test_every_listening_socket_of_a_three_rank_run_is_on_loopback(tmp_path):
         _, stderr = process.communicate(timeout=300)
     assert process.returncode == 0, stderr[-3000:]
     for rank, found in sockets.items():
-        exposed = [f"{address}:{port}" for address, port in found if not ipaddress.ip_address(address).is_loopback]
+        exposed = [f"{host}:{port}" for host, port in found if not ipaddress.ip_address(host).is_loopback]
         assert not exposed, f"rank {rank} listens beyond loopback: {exposed}"
