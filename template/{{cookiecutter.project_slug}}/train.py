@@ -147,7 +147,7 @@ def play_role(
         if resumed:
             shard.load(str(Path(resumed["folder"]) / f"replay-{index}"))
         topology.host("replay", shard)
-    learner_group = topology.connect(plan, address, port, cfg.rpc.timeout)
+    learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
 
     if plan.role == topology.LEARNER:
         replay = None
@@ -181,13 +181,12 @@ def layout(plan: topology.Topology, recipe: ModuleType) -> tuple[int, int]:
 
 
 def threads_per_rank(fabric: Fabric, plan: topology.Topology) -> int:
-    """Split this node's cores between its ranks: each rank defaulting to all of them
-    oversubscribes the CPU. A replay rank takes one: its work (tree searches, gathers of a
-    few hundred rows) gains nothing from more threads."""
+    """Split the cores this node gives the run between its ranks: each rank defaulting to
+    all of them oversubscribes the CPU. A replay rank takes one: its work (tree searches,
+    gathers of a few hundred rows) gains nothing from more threads."""
     if plan.role == topology.REPLAY:
         return 1
-    ranks_here = getattr(fabric.strategy, "num_processes", 1)
-    return max(1, (os.cpu_count() or 1) // ranks_here)
+    return topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from urllib.parse import parse_qsl, urlparse
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from .config import ConfigError
 
@@ -79,6 +80,16 @@ def bind_to_loopback_unless_named(address: str | None) -> None:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
 
+def cpus_per_rank(ranks_here: int) -> int:
+    """The cores one rank of this node may use. Under srun each rank is a task with
+    ``SLURM_CPUS_PER_TASK`` cores of its own; otherwise the ranks share what this process
+    may run on (its CPU affinity: what the scheduler, a cgroup or taskset allows), which can
+    be far fewer than the machine's cores that ``os.cpu_count()`` counts."""
+    if SLURMEnvironment.detect() and "SLURM_CPUS_PER_TASK" in os.environ:
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+
+
 def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
     """Where rank 0 serves RPC: the named address and port, or the launcher's main address
     and the port after its c10d port. The watchdog's store takes the port after that."""
@@ -129,16 +140,17 @@ def _bound_tcp_rendezvous(url: str, **kwargs: Any):
 dist.register_rendezvous_handler(BOUND_TCP, _bound_tcp_rendezvous)
 
 
-def connect(topology: Topology, address: str, port: int, timeout_s: float):
+def connect(topology: Topology, address: str, port: int, timeout_s: float, collective_timeout_s: float):
     """Create the learner group and join the RPC world; returns the learner group.
 
     Every rank calls ``new_group`` in the same order, replay ranks included, as torch
     requires. RPC gets its own port so it never collides with Fabric's c10d store.
+    ``timeout_s`` bounds an RPC, ``collective_timeout_s`` a collective of the learners.
     """
     if topology.world_size == 1:
         return None
-    timeout = timedelta(seconds=timeout_s)
-    learner_group = dist.new_group(list(topology.learner_ranks), timeout=timeout)
+    collective_timeout = timedelta(seconds=collective_timeout_s)
+    learner_group = dist.new_group(list(topology.learner_ranks), timeout=collective_timeout)
     host = f"[{address}]" if ":" in address else address  # an IPv6 address in a URL
     with warnings.catch_warnings():
         # init_rpc's own device-map exchange trips a torch deprecation warning; not ours to fix.
