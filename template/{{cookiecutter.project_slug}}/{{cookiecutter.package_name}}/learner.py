@@ -104,11 +104,9 @@ def train(
                     replay.flush()  # the first sample must see this learner's own frames
                 for _ in range(algo.updates_per_batch):
                     updates += 1
-                    sample = replay.sample().to(fabric.device)
-                    step(sample, where=f"frame {frames}, update {updates}")
-                    # A non-finite priority would poison the sum tree every later sample is drawn from.
-                    if not torch.isfinite(sample[agent.priority_key]).all():
-                        raise NonFinite(f"non-finite priorities at frame {frames}, update {updates}")
+                    sample = replay.sample()
+                    priorities = step(sample.to(fabric.device), where=f"frame {frames}, update {updates}")
+                    sample[agent.priority_key] = priorities
                     replay.update_priority(sample, agent.priority_key)
         else:
             batch = batch.to(fabric.device)
@@ -163,14 +161,24 @@ class NonFinite(FloatingPointError):
     """A loss or priority that is NaN or infinite; training cannot go on from it."""
 
 
-def update(model, optimizer, agent, window: Window, max_norm: float | None, batch, where: str) -> None:
+def update(model, optimizer, agent, window: Window, max_norm: float | None, batch, where: str):
     """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners.
     ``max_norm`` clips the gradients' norm (the recipe's ``max_grad_norm``); ``where`` says
-    where the run is, for the error should the loss not be finite."""
+    where the run is, for the error should the loss not be finite. Returns the new
+    priorities on the CPU (replay recipes; the loss wrote them into ``batch``), or None.
+
+    The loss and the priorities come to the CPU in one copy: on a GPU each copy waits for
+    the work queued before it, so this is the update's one synchronisation.
+    """
     loss, metrics = model(batch)
-    if not torch.isfinite(loss):
-        # Checked before the step: the weights and the priorities stay finite.
-        raise NonFinite(f"non-finite loss ({loss.item()}) at {where}")
+    priorities = batch[agent.priority_key].detach().reshape(-1) if agent.uses_replay else loss.new_empty(0)
+    checked = torch.cat([loss.detach().reshape(1).to(priorities.dtype), priorities]).cpu()
+    # Checked before the step: the weights stay finite. A non-finite priority would poison
+    # the sum tree every later sample is drawn from.
+    if not torch.isfinite(checked[0]):
+        raise NonFinite(f"non-finite loss ({checked[0].item()}) at {where}")
+    if not torch.isfinite(checked[1:]).all():
+        raise NonFinite(f"non-finite priorities at {where}")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if max_norm is not None:
@@ -179,6 +187,7 @@ def update(model, optimizer, agent, window: Window, max_norm: float | None, batc
     optimizer.step()
     agent.after_update()
     window.add_metrics(metrics)
+    return checked[1:].reshape(batch[agent.priority_key].shape) if agent.uses_replay else None
 
 
 def save_checkpoint(
@@ -227,9 +236,13 @@ def save_checkpoint(
 
 
 def barrier(group: Any, learners: int, device: torch.device) -> None:
-    """Wait for all learners (an all-reduce: gloo and NCCL both have it)."""
+    """Wait for all learners (an all-reduce: gloo and NCCL both have it). Reading the result
+    makes the CPU wait too: NCCL's all-reduce only queues work on the GPU, and a learner
+    must not go on to read files the others are still writing."""
     if learners > 1:
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        done = torch.zeros(1, device=device)
+        dist.all_reduce(done, group=group)
+        done.item()
 
 
 def all_agree(flag: threading.Event, group: Any, learners: int, device: torch.device) -> bool:
