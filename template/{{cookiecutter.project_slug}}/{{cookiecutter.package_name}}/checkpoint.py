@@ -118,9 +118,21 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return json.loads((folder / META).read_text())
 
 
-def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any]:
-    """The checkpoint ``cfg.resume`` points at, if this run can go on from it."""
-    folder = latest(cfg.resume)
+AUTO = "auto"
+
+
+def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any] | None:
+    """The checkpoint ``cfg.resume`` points at, if this run can go on from it.
+
+    ``resume=auto``: the newest complete checkpoint in ``run_dir``, or None (start afresh)
+    when there is none yet, so a job requeued after a preemption runs the same command.
+    """
+    if cfg.resume == AUTO:
+        if not any((Path(cfg.run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}")):
+            return None
+        folder = latest(cfg.run_dir)
+    else:
+        folder = latest(cfg.resume)
     meta = read_meta(folder)
     if (meta["recipe"], meta["env_id"]) != (cfg.recipe, cfg.env.id):
         raise ConfigError(

@@ -90,6 +90,15 @@ def cpus_per_rank(ranks_here: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 
+def slurm_main_port() -> None:
+    """Under SLURM, give the job a main port of its own unless one is set. Fabric's own
+    choice (15000 + the job id's last four digits) puts job N's main port on job N-1's RPC
+    port; each job here takes a block of three (c10d, RPC, watchdog), so jobs sharing a
+    node collide only when their ids are 15,000 apart."""
+    if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000 * 3)
+
+
 def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
     """Where rank 0 serves RPC: the named address and port, or the launcher's main address
     and the port after its c10d port. The watchdog's store takes the port after that."""

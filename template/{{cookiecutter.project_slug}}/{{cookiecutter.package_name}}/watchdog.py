@@ -11,7 +11,7 @@ Why not leave it to the launcher: ``fabric run`` (torchrun) stops all ranks when
 but Fabric's own launcher and ``srun`` do not, and no launcher tells the ranks which rank
 failed. Counters rather than timestamps: the nodes' clocks need not agree.
 
-The same store carries a stop request (SIGINT, SIGTERM) from whichever rank received it to
+The same store carries a stop request (SIGINT, SIGTERM, SIGUSR1) from whichever rank received it to
 all the others.
 
 Under ``fabric run`` and torchrun each rank also watches its launcher. They start every rank
@@ -43,12 +43,15 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 FAILED = "failed"  # the first failure's message; later ones do not overwrite it
 STOP = "stop"  # the name of the first stop signal any rank received
+# SIGUSR1: what slurm.sh asks SLURM to send before the time limit (#SBATCH --signal).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # What a store call raises once the store is gone.
 STORE_ERRORS = (RuntimeError, dist.DistError)
 
 
 class StopRequest(threading.Event):
-    """Set when this rank, or any other, received SIGINT or SIGTERM; ``signal`` names it."""
+    """Set when this rank, or any other, received SIGINT, SIGTERM or SIGUSR1; ``signal``
+    names it."""
 
     signal: str | None = None
 
@@ -75,7 +78,7 @@ class Watchdog:
     def watching(self) -> Iterator[Watchdog]:
         """Watch the other ranks and catch stop signals while the block runs. An exception
         in the block is logged, told to the other ranks, and ends this process with code 1."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         if self.store is not None or self.launcher is not None:
             self._thread.start()
         try:
