@@ -104,8 +104,13 @@ class Agent(nn.Module):
         return torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
 
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
-        """Anneal epsilon by the frames all learners collected in this step."""
-        self.exploration.step(frames)
+        """Anneal epsilon by the frames all learners collected in this step, in closed form:
+        ``EGreedyModule.step(frames)`` loops once per frame. Epsilon is a buffer of the
+        exploration module, so checkpoints keep it."""
+        cfg = self.cfg
+        decay = frames * (cfg.eps_init - cfg.eps_end) / cfg.eps_frames
+        eps = self.exploration.eps
+        eps.copy_((eps - decay).clamp(min=cfg.eps_end))
 
     def after_update(self) -> None:
         self.target_updater.step()

@@ -57,6 +57,23 @@ def test_names_follow_the_project_name(cookies):
     assert_fully_rendered(result.project_path)
 
 
+@pytest.mark.parametrize(
+    ("project_name", "slug", "package"),
+    [
+        ("Ünïcode RL-Lab!", "unicode-rl-lab", "unicode_rl_lab"),
+        ("3D Pong", "3d-pong", "rl_3d_pong"),
+        ("class", "class", "rl_class"),
+        ("!!!", "rl-project", "rl_project"),
+    ],
+)
+def test_any_project_name_bakes_a_valid_package(cookies, project_name, slug, package):
+    result = cookies.bake(extra_context={"project_name": project_name})
+    assert result.exit_code == 0, result.exception
+    assert result.project_path.name == slug
+    assert (result.project_path / package / "learner.py").is_file()
+    assert_fully_rendered(result.project_path)
+
+
 def test_directory_option_bakes_the_same_project(tmp_path):
     project = Path(cookiecutter(str(REPO), directory="template", no_input=True, output_dir=str(tmp_path)))
     assert project.name == "my-rl-project"

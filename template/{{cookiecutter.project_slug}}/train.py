@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ def main(argv: list[str]) -> int:
         return 0
 
     logs.setup(logs.launcher_rank())
+    topology.slurm_main_port()
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
     fabric = Fabric(**fabric_arguments(cfg), loggers=make_loggers(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
@@ -112,6 +114,8 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
         summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog)
     if summary is not None:
         print(f"summary: {summary}")
+    if watchdog.stop.signal == "SIGUSR1" and plan.rank == 0:
+        requeue()
     # Stopped by a signal: rank 0 says so in the exit code, as a shell does (128 + its
     # number). The other ranks exit 0: Fabric's launcher kills every rank as soon as one
     # exits non-zero, which could cut rank 0 short of writing its records.
@@ -147,7 +151,7 @@ def play_role(
         if resumed:
             shard.load(str(Path(resumed["folder"]) / f"replay-{index}"))
         topology.host("replay", shard)
-    learner_group = topology.connect(plan, address, port, cfg.rpc.timeout)
+    learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
 
     if plan.role == topology.LEARNER:
         recorder = topology.handle(plan, 0, "recorder")
@@ -177,19 +181,33 @@ def play_role(
     return summary
 
 
+def requeue() -> None:
+    """SLURM's warning before the time limit (SIGUSR1, see slurm.sh) stopped the run at a
+    checkpoint: put the job back in the queue. It starts again with the same command, and
+    ``resume=auto`` goes on from that checkpoint."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is None:
+        log.warning("SIGUSR1 outside a SLURM job: not requeued")
+        return
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode == 0:
+        log.warning("SLURM job %s requeued: it goes on from its last checkpoint", job)
+    else:
+        log.error("scontrol requeue %s failed: %s", job, result.stderr.strip())
+
+
 def layout(plan: topology.Topology, recipe: ModuleType) -> tuple[int, int]:
     """The number of learners and of replay shards, as checkpoints record them."""
     return len(plan.learner_ranks), len(plan.shard_ranks) if recipe.Agent.uses_replay else 0
 
 
 def threads_per_rank(fabric: Fabric, plan: topology.Topology) -> int:
-    """Split this node's cores between its ranks: each rank defaulting to all of them
-    oversubscribes the CPU. A replay rank takes one: its work (tree searches, gathers of a
-    few hundred rows) gains nothing from more threads."""
+    """Split the cores this node gives the run between its ranks: each rank defaulting to
+    all of them oversubscribes the CPU. A replay rank takes one: its work (tree searches,
+    gathers of a few hundred rows) gains nothing from more threads."""
     if plan.role == topology.REPLAY:
         return 1
-    ranks_here = getattr(fabric.strategy, "num_processes", 1)
-    return max(1, (os.cpu_count() or 1) // ranks_here)
+    return topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1))
 
 
 if __name__ == "__main__":

@@ -30,12 +30,20 @@ from {{ cookiecutter.package_name }} import recipes  # noqa: E402
 {%- set recipes = cookiecutter.recipes.split(",") | map("trim") | list %}
 WORKLOADS = {
 {%- if "dqn" in recipes %}
-    "dqn": ["env.id=CartPole-v1", "env.num_envs=32", "collector.frames_per_batch=512",
-            "algo.updates_per_batch=8"],
+    "dqn": [
+        "env.id=CartPole-v1",
+        "env.num_envs=32",
+        "collector.frames_per_batch=512",
+        "algo.updates_per_batch=8",
+    ],
 {%- endif %}
 {%- if "sac" in recipes %}
-    "sac": ["env.id=Pendulum-v1", "env.num_envs=16", "collector.frames_per_batch=256",
-            "algo.updates_per_batch=4"],
+    "sac": [
+        "env.id=Pendulum-v1",
+        "env.num_envs=16",
+        "collector.frames_per_batch=256",
+        "algo.updates_per_batch=4",
+    ],
 {%- endif %}
 }
 

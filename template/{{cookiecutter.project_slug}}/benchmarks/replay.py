@@ -85,7 +85,7 @@ def rank_main(rank: int, world_size: int, ports: tuple[int, int], args, results)
     if plan.role == topology.REPLAY:
         shard = ReplayShard(CAPACITY // args.shards, ALPHA, BETA, "td_error", shard=rank)
         topology.host("replay", shard)
-    topology.connect(plan, "127.0.0.1", ports[1], timeout_s=120)
+    topology.connect(plan, "127.0.0.1", ports[1], timeout_s=120, collective_timeout_s=120)
     if plan.role == topology.LEARNER:
         shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
         client = make_client(shards, args, first_shard=plan.learner_index)

@@ -136,7 +136,7 @@ def load_script(name: str):
 
 def processes_of(run_dir: Path) -> dict[int, int | None]:
     """pid -> rank of every process whose command line names ``run_dir`` (the launcher's
-    rank is None)."""
+    rank is None; srun's tasks are ranks by their SLURM_PROCID)."""
     found = {}
     for entry in Path("/proc").iterdir():
         try:
@@ -147,7 +147,7 @@ def processes_of(run_dir: Path) -> dict[int, int | None]:
             )
         except (OSError, ValueError):
             continue
-        rank = environ.get("RANK") or environ.get("LOCAL_RANK")
+        rank = environ.get("RANK") or environ.get("LOCAL_RANK") or environ.get("SLURM_PROCID")
         found[int(entry.name)] = int(rank) if rank is not None else None
     return found
 

@@ -85,6 +85,52 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, mo
     assert not checkpoint.partial_dir(checkpoint.training_dir(tmp_path, 2048)).exists()
 
 
+def trained_one_step(one: OneLearner) -> None:
+    """One optimizer step, so the optimizer has a state (Adam: step, moments)."""
+    batch, _, _ = one.shard.sample(4)
+    loss, _ = one.agent(batch.to(next(one.agent.parameters()).device))
+    loss.backward()
+    one.optimizer.step()
+
+
+def restored(tmp_path, device: torch.device) -> OneLearner:
+    """A learner saved after one step, and another one on ``device`` restored from it."""
+    one = OneLearner(tmp_path / "run")
+    trained_one_step(one)
+    one.save(1000)
+    again = OneLearner(tmp_path / "again")
+    again.agent.to(device)
+    again.optimizer = again.agent.make_optimizer()
+    checkpoint.restore_learner(checkpoint.latest(tmp_path / "run"), 0, again.agent, again.optimizer, device)
+    return again
+
+
+@needs_replay
+def test_resume_puts_the_optimizer_state_where_torch_expects_it(tmp_path):
+    again = restored(tmp_path, torch.device("cpu"))
+    for state in again.optimizer.state.values():
+        if "step" in state:  # Adam keeps its step count on the CPU unless `capturable`
+            assert state["step"].device.type == "cpu"
+    trained_one_step(again)
+
+
+@needs_replay
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_resume_onto_a_gpu_keeps_adams_step_on_the_cpu_and_restores_the_gpus_generator(tmp_path):
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.cuda.manual_seed(123)
+    expected = torch.rand(4, device=device)
+    torch.cuda.manual_seed(123)
+    again = restored(tmp_path, device)  # saved the GPU generator's state before drawing
+    assert torch.equal(torch.rand(4, device=device), expected)
+    for state in again.optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                assert value.device.type == ("cpu" if key == "step" else "cuda"), key
+    trained_one_step(again)  # an Adam step with its step count on the GPU would fail
+
+
 @needs_replay
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
     run = OneLearner(tmp_path, keep=2)

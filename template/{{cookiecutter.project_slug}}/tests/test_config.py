@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from {{ cookiecutter.package_name }} import config, recipes
 from {{ cookiecutter.package_name }}.topology import Topology
 
-from .conftest import REPLAY_RECIPE, load_script, needs_replay
+from .conftest import PROJECT, REPLAY_RECIPE, command_env, load_script, needs_replay
 
 train = load_script("train")
 
@@ -58,6 +62,7 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
+        (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
         (["loggers=[csv,wandb]"], "unknown logger 'wandb' in loggers (choose from csv, tensorboard)"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         pytest.param(
@@ -83,3 +88,28 @@ def test_topology_puts_replay_first_and_learners_after():
     assert plan.learner_ranks == (1, 2) and plan.role == "replay"
     single = Topology.plan(world_size=1, rank=0, replay_ranks=1, uses_replay=True)
     assert single.roles == {"0": "learner"} and single.shard_ranks == (0,)
+
+
+CPUS_PER_RANK = [
+    sys.executable,
+    "-c",
+    "from {{ cookiecutter.package_name }}.topology import cpus_per_rank; print(cpus_per_rank(1), cpus_per_rank(2))",
+]
+SLURM = {"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train", "SLURM_CPUS_PER_TASK": "3"}
+
+
+def cpus_per_rank(*prefix: str, **env: str) -> str:
+    clean = {key: value for key, value in command_env().items() if not key.startswith("SLURM_")}
+    command = [*prefix, *CPUS_PER_RANK]
+    result = subprocess.run(command, cwd=PROJECT, env={**clean, **env}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_threads_per_rank_come_from_the_cores_this_process_may_use():
+    # The machine's cores are not the allocation: `taskset` gives the process one of them.
+    assert cpus_per_rank("taskset", "-c", "0") == "1 1"
+    cores = len(os.sched_getaffinity(0))
+    assert cpus_per_rank() == f"{cores} {max(1, cores // 2)}"
+    # Under srun each rank is a task with SLURM_CPUS_PER_TASK cores of its own.
+    assert cpus_per_rank(**SLURM) == "3 3"

@@ -41,3 +41,15 @@ def test_epsilon_anneals_by_frames():
     assert abs(agent.exploration.eps.item() - 0.55) < 1e-5
     agent.after_collect(None, 1000)
     assert abs(agent.exploration.eps.item() - 0.1) < 1e-6
+
+
+def test_epsilon_anneals_in_closed_form_and_checkpoints_keep_it():
+    env = make_env("CartPole-v1", num_envs=2, seed=0)
+    config = dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=10**12)
+    agent = dqn.Agent(config, env)
+    # A step per frame would take hours here.
+    agent.after_collect(None, 5 * 10**11)
+    assert abs(agent.exploration.eps.item() - 0.55) < 1e-5
+    resumed = dqn.Agent(config, env)
+    resumed.load_state_dict(agent.state_dict())
+    assert resumed.exploration.eps.item() == agent.exploration.eps.item()

@@ -1,5 +1,6 @@
-"""Faults and signals on real ranks: a killed rank stops the run, Ctrl-C stops it cleanly,
-a non-finite loss is reported with its step. Nothing hangs, nothing is left behind."""
+"""Faults and signals on real ranks: a killed rank stops the run, so does a killed launcher,
+Ctrl-C stops it cleanly, a non-finite loss is reported with its step. Nothing hangs, nothing
+is left behind."""
 
 from __future__ import annotations
 
@@ -127,6 +128,30 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     # One line says it all: no rank prints a traceback (the launcher prints its own).
     assert '/learner.py", line' not in stderr, stderr[-3000:]
     assert processes_of(run_dir) == {} and not alive(collector), "nothing may outlive the run"
+
+
+def test_a_killed_launcher_takes_every_rank_with_it_within_60_s(tmp_path):
+    run_dir = tmp_path / "run"
+    command = fabric_command(3, "train.py", f"rpc.port={free_port()}", *LONG_RUN, f"run_dir={run_dir}")
+    process = start(command, run_dir)
+    ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
+    assert sorted(ranks) == [0, 1, 2]
+    # What the OOM killer or a scheduler's hard kill does: the launcher alone, no warning.
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+
+    deadline = time.monotonic() + 60
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = processes_of(run_dir)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == {}, "ranks outlived their launcher by 60 s"
+    # The ranks wrote to the launcher's stderr pipe, which stays readable once they are gone.
+    stderr = process.stderr.read()
+    for rank in ranks:
+        lines = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ")]
+        assert any(f"the launcher (pid {process.pid}) is gone" in line for line in lines), stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

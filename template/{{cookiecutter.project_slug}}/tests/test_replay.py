@@ -194,7 +194,7 @@ def surface_a_remote_error(rank: int, ports: tuple[int, int], result: dict) -> N
     plan = Topology.plan(world_size=2, rank=rank, replay_ranks=1, uses_replay=True)
     if plan.role == "replay":
         host("replay", ReplayShard(100, ALPHA, BETA, "td_error"))
-    connect(plan, "127.0.0.1", ports[1], timeout_s=60)
+    connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
     if plan.role == "learner":
         client = ReplayClient([handle(plan, 0, "replay")], batch_size=8, beta=BETA)
         client.extend(transitions(0, 10))

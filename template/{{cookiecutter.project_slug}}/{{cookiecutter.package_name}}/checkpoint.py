@@ -7,7 +7,7 @@ be rebuilt without the run's config file.
 ``checkpoints/frames-<N>/`` (every ``checkpoint.every`` frames) holds everything a run
 needs to go on from frame N (``resume=``): ``meta.json`` (recipe, env, layout, counters),
 ``agent.pt`` (weights with their target networks, optimizer state), ``rng-<i>.pt`` (each
-learner's random generators) and ``replay-<i>/`` (each replay shard's contents and
+learner's random generators, its GPU's included) and ``replay-<i>/`` (each replay shard's contents and
 priorities). It is written under a temporary name and renamed when complete, so a crash
 while writing leaves the previous checkpoint as it was.
 """
@@ -118,9 +118,21 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return json.loads((folder / META).read_text())
 
 
-def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any]:
-    """The checkpoint ``cfg.resume`` points at, if this run can go on from it."""
-    folder = latest(cfg.resume)
+AUTO = "auto"
+
+
+def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any] | None:
+    """The checkpoint ``cfg.resume`` points at, if this run can go on from it.
+
+    ``resume=auto``: the newest complete checkpoint in ``run_dir``, or None (start afresh)
+    when there is none yet, so a job requeued after a preemption runs the same command.
+    """
+    if cfg.resume == AUTO:
+        if not any((Path(cfg.run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}")):
+            return None
+        folder = latest(cfg.run_dir)
+    else:
+        folder = latest(cfg.resume)
     meta = read_meta(folder)
     if (meta["recipe"], meta["env_id"]) != (cfg.recipe, cfg.env.id):
         raise ConfigError(
@@ -141,8 +153,14 @@ def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> d
 def restore_learner(
     folder: Path, index: int, agent: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> None:
-    """Put learner ``index`` back as it was when ``folder`` was written."""
-    state = torch.load(folder / "agent.pt", map_location=device, weights_only=True)
+    """Put learner ``index`` back as it was when ``folder`` was written.
+
+    Everything is read onto the CPU: ``load_state_dict`` copies the weights onto the agent's
+    device, and the optimizer moves its state next to each parameter, all but what torch
+    keeps on the CPU on purpose (Adam's ``step`` unless ``capturable``), which a load
+    straight onto the GPU would put there.
+    """
+    state = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)
     agent.load_state_dict(state["agent"])
     optimizer.load_state_dict(state["optimizer"])
     # The run's own file, written by rng_state: numpy's state is not a tensor.
@@ -150,10 +168,17 @@ def restore_learner(
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random generators; with CUDA, the current GPU's too (Fabric makes a
+    rank's own GPU current; asking for every GPU's would open a context on each)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -27,7 +27,7 @@ from torchrl.envs import EnvBase, GymWrapper, RewardSum
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from .config import ASYNC
-from .watchdog import RankFailure
+from .watchdog import STOP_SIGNALS, RankFailure
 
 POLICY_VERSION = "policy_version"
 
@@ -80,9 +80,9 @@ def make_collector(
         # learner's GPU, and the learner decides when the copy changes (push_weights).
         # Every frame records the version (the number of pushes) of the weights it was
         # collected with, from which the learner computes the policy lag. The child ignores
-        # SIGINT and SIGTERM (an ignored signal stays ignored in a child, and Python keeps
-        # it so): a Ctrl-C stops the run through this process, at a step's end.
-        with signals_ignored(signal.SIGINT, signal.SIGTERM):
+        # the stop signals (an ignored signal stays ignored in a child, and Python keeps it
+        # so): a Ctrl-C or SLURM's warning stops the run through this process, at a step's end.
+        with signals_ignored(*STOP_SIGNALS):
             return CollectorProcess(
                 make,
                 copy.deepcopy(policy).cpu(),

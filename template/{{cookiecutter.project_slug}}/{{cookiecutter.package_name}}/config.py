@@ -73,6 +73,11 @@ class RpcConfig:
 
 
 @dataclass
+class LearnersConfig:
+    timeout: float = MISSING
+
+
+@dataclass
 class CheckpointConfig:
     every: int = MISSING
     keep: int = MISSING
@@ -94,6 +99,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fabric: FabricConfig = field(default_factory=FabricConfig)
     rpc: RpcConfig = field(default_factory=RpcConfig)
+    learners: LearnersConfig = field(default_factory=LearnersConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resume: str | None = None
     algo: Any = None
@@ -163,7 +169,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep must be >= 1, got {cfg.checkpoint.keep}")
-    for key in ("rpc.timeout", "rpc.heartbeat_timeout"):
+    for key in ("rpc.timeout", "rpc.heartbeat_timeout", "learners.timeout"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
     if cfg.replay.batches_per_request < 1:

@@ -76,11 +76,8 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
             if learner.updates == 0:
                 replay.flush()  # the first sample must see this learner's own frames
             for _ in range(algo.updates_per_batch):
-                sample = replay.sample().to(run.device)
-                learner.update(sample)
-                # A non-finite priority would poison the sum tree every later sample is drawn from.
-                if not torch.isfinite(sample[agent.priority_key]).all():
-                    raise NonFinite(f"non-finite priorities at {learner.where()}")
+                sample = replay.sample()
+                sample[agent.priority_key] = learner.update(sample.to(run.device))
                 replay.update_priority(sample, agent.priority_key)
                 learner.sampled += sample.numel()
         learner.between_steps(replay)
@@ -175,13 +172,27 @@ class Learner:
                 self.lags.append(self.updates - float(torch.tensor(self.pushed_at)[versions].float().mean()))
             yield batch
 
-    def update(self, batch: TensorDictBase) -> None:
-        """One gradient step; with DDP, ``backward`` all-reduces the gradients over the learners."""
+    def update(self, batch: TensorDictBase) -> torch.Tensor | None:
+        """One gradient step; with DDP, ``backward`` all-reduces the gradients over the
+        learners. Returns the new priorities on the CPU (replay recipes: the loss wrote them
+        into ``batch``), or None.
+
+        The loss and the priorities come to the CPU in one copy: on a GPU each copy waits
+        for the work queued before it, so this is the update's one synchronisation.
+        """
         self.updates += 1
+        agent = self.agent
         loss, metrics = self.model(batch)
-        if not torch.isfinite(loss):
-            # Checked before the step: the weights and the priorities stay finite.
-            raise NonFinite(f"non-finite loss ({loss.item()}) at {self.where()}")
+        priorities = loss.new_empty(0)
+        if agent.uses_replay:
+            priorities = batch[agent.priority_key].detach().reshape(-1)
+        checked = torch.cat([loss.detach().reshape(1).to(priorities.dtype), priorities]).cpu()
+        # Checked before the step: the weights stay finite. A non-finite priority would
+        # poison the sum tree every later sample is drawn from.
+        if not torch.isfinite(checked[0]):
+            raise NonFinite(f"non-finite loss ({checked[0].item()}) at {self.where()}")
+        if not torch.isfinite(checked[1:]).all():
+            raise NonFinite(f"non-finite priorities at {self.where()}")
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.max_norm is not None:
@@ -194,6 +205,7 @@ class Learner:
             with self.collector_deadline():  # the collector's process acknowledges the copy
                 push_weights(self.collector, self.agent.policy)
             self.pushed_at.append(self.updates)
+        return checked[1:].reshape(batch[agent.priority_key].shape) if agent.uses_replay else None
 
     def collector_deadline(self, startup: bool = False) -> AbstractContextManager:
         """Stop the run if the collector keeps this learner waiting for ``collector.timeout``
@@ -316,9 +328,13 @@ def save_checkpoint(
 
 
 def barrier(group: Any, learners: int, device: torch.device) -> None:
-    """Wait for all learners (an all-reduce: gloo and NCCL both have it)."""
+    """Wait for all learners (an all-reduce: gloo and NCCL both have it). Reading the result
+    makes the CPU wait too: NCCL's all-reduce only queues work on the GPU, and a learner
+    must not go on to read files the others are still writing."""
     if learners > 1:
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        done = torch.zeros(1, device=device)
+        dist.all_reduce(done, group=group)
+        done.item()
 
 
 def all_agree(flag: threading.Event, group: Any, learners: int, device: torch.device) -> bool:

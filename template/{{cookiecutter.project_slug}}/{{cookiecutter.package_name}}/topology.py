@@ -15,10 +15,12 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, urlparse
 
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from lightning.fabric.plugins.environments import SLURMEnvironment
 
 from .config import ConfigError
 
@@ -78,6 +80,25 @@ def bind_to_loopback_unless_named(address: str | None) -> None:
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
 
+def cpus_per_rank(ranks_here: int) -> int:
+    """The cores one rank of this node may use. Under srun each rank is a task with
+    ``SLURM_CPUS_PER_TASK`` cores of its own; otherwise the ranks share what this process
+    may run on (its CPU affinity: what the scheduler, a cgroup or taskset allows), which can
+    be far fewer than the machine's cores that ``os.cpu_count()`` counts."""
+    if SLURMEnvironment.detect() and "SLURM_CPUS_PER_TASK" in os.environ:
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here)
+
+
+def slurm_main_port() -> None:
+    """Under SLURM, give the job a main port of its own unless one is set. Fabric's own
+    choice (15000 + the job id's last four digits) puts job N's main port on job N-1's RPC
+    port; each job here takes a block of three (c10d, RPC, watchdog), so jobs sharing a
+    node collide only when their ids are 15,000 apart."""
+    if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000 * 3)
+
+
 def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
     """Where rank 0 serves RPC: the named address and port, or the launcher's main address
     and the port after its c10d port. The watchdog's store takes the port after that."""
@@ -85,16 +106,61 @@ def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
     return address, port or int(os.environ.get("MASTER_PORT", "29500")) + 1
 
 
-def connect(topology: Topology, address: str, port: int, timeout_s: float):
+def store(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A key-value store served by rank 0 on ``address`` only.
+
+    A ``TCPStore`` left to itself listens on every interface; given a socket already bound
+    to one address (``master_listen_fd``), it listens there. Rank 0 does not wait for the
+    others to connect.
+    """
+    listen_fd = None
+    if rank == 0:
+        family, kind, _, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+        listen_fd = sock.detach()  # the store owns and closes it
+    return dist.TCPStore(
+        address,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
+
+
+BOUND_TCP = "bound-tcp"
+
+
+def _bound_tcp_rendezvous(url: str, **kwargs: Any):
+    """``init_rpc``'s rendezvous through ``store``: torch's own ``tcp://`` handler creates a
+    store that listens on every interface, and a handler is the public way to give RPC
+    another (``register_rendezvous_handler``)."""
+    parsed = urlparse(url)
+    query = dict(parse_qsl(parsed.query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    yield store(parsed.hostname, parsed.port, rank, world_size, float(query["timeout"])), rank, world_size
+    raise RuntimeError("the RPC world cannot be re-formed")
+
+
+dist.register_rendezvous_handler(BOUND_TCP, _bound_tcp_rendezvous)
+
+
+def connect(topology: Topology, address: str, port: int, timeout_s: float, collective_timeout_s: float):
     """Create the learner group and join the RPC world; returns the learner group.
 
     Every rank calls ``new_group`` in the same order, replay ranks included, as torch
     requires. RPC gets its own port so it never collides with Fabric's c10d store.
+    ``timeout_s`` bounds an RPC, ``collective_timeout_s`` a collective of the learners.
     """
     if topology.world_size == 1:
         return None
-    timeout = timedelta(seconds=timeout_s)
-    learner_group = dist.new_group(list(topology.learner_ranks), timeout=timeout)
+    collective_timeout = timedelta(seconds=collective_timeout_s)
+    learner_group = dist.new_group(list(topology.learner_ranks), timeout=collective_timeout)
+    host = f"[{address}]" if ":" in address else address  # an IPv6 address in a URL
     with warnings.catch_warnings():
         # init_rpc's own device-map exchange trips a torch deprecation warning; not ours to fix.
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -105,7 +171,9 @@ def connect(topology: Topology, address: str, port: int, timeout_s: float):
             # Only TensorPipe's TCP transport: its shared-memory transport busy-polls one core
             # per rank, which made training four times slower with 3 ranks on 2 cores.
             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                init_method=f"tcp://{address}:{port}", rpc_timeout=timeout_s, _transports=["uv"]
+                init_method=f"{BOUND_TCP}://{host}:{port}?timeout={timeout_s}",
+                rpc_timeout=timeout_s,
+                _transports=["uv"],
             ),
         )
     return learner_group

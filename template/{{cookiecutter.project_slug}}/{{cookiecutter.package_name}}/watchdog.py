@@ -11,8 +11,15 @@ Why not leave it to the launcher: ``fabric run`` (torchrun) stops all ranks when
 but Fabric's own launcher and ``srun`` do not, and no launcher tells the ranks which rank
 failed. Counters rather than timestamps: the nodes' clocks need not agree.
 
-The same store carries a stop request (SIGINT, SIGTERM) from whichever rank received it to
+The same store carries a stop request (SIGINT, SIGTERM, SIGUSR1) from whichever rank received it to
 all the others.
+
+Under ``fabric run`` and torchrun each rank also watches its launcher. They start every rank
+in a session of its own, so when the launcher itself is killed (the OOM killer, a
+scheduler's hard kill) nothing reaches the ranks, and they would train on alone and hold
+their ports. The rank's parent changes when the launcher dies (``PR_SET_PDEATHSIG`` would not
+do: it is not inherited across the exec that starts the rank), so the thread compares the
+parent's pid with the one it started under, and every rank exits within a second or two.
 """
 
 from __future__ import annotations
@@ -30,13 +37,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .topology import Topology
+from .topology import Topology, store
 
 log = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0
 FAILED = "failed"  # the first failure's message; later ones do not overwrite it
 STOP = "stop"  # the name of the first stop signal any rank received
+# SIGUSR1: what slurm.sh asks SLURM to send before the time limit (#SBATCH --signal).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # What a store call raises once the store is gone.
 STORE_ERRORS = (RuntimeError, dist.DistError)
 
@@ -47,7 +56,8 @@ class RankFailure(Exception):
 
 
 class StopRequest(threading.Event):
-    """Set when this rank, or any other, received SIGINT or SIGTERM; ``signal`` names it."""
+    """Set when this rank, or any other, received SIGINT, SIGTERM or SIGUSR1; ``signal``
+    names it."""
 
     signal: str | None = None
 
@@ -65,22 +75,17 @@ class Watchdog:
         self._closing = threading.Event()
         self.store = None
         if topology.world_size > 1:
-            self.store = dist.TCPStore(
-                address,
-                port,
-                topology.world_size,
-                is_master=topology.rank == 0,
-                timeout=timedelta(seconds=timeout_s),
-                wait_for_workers=False,
-            )
+            self.store = store(address, port, topology.rank, topology.world_size, timeout_s)
+        # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
+        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
 
     @contextmanager
     def watching(self) -> Iterator[Watchdog]:
         """Watch the other ranks and catch stop signals while the block runs. An exception
         in the block is logged, told to the other ranks, and ends this process with code 1."""
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        if self.store is not None:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        if self.store is not None or self.launcher is not None:
             self._thread.start()
         try:
             yield self
@@ -123,6 +128,10 @@ class Watchdog:
         others = [rank for rank in range(self.topology.world_size) if rank != me]
         last_seen = {rank: (-1, time.monotonic()) for rank in others}
         while not self._closing.wait(INTERVAL_S):
+            if self.launcher is not None and os.getppid() != self.launcher:
+                self._give_up(f"the launcher (pid {self.launcher}) is gone: this rank does not outlive it")
+            if self.store is None:
+                continue
             try:
                 self.store.add(f"beat/{me}", 1)
                 if self.store.check([FAILED]):
@@ -145,10 +154,11 @@ class Watchdog:
     def _close(self) -> None:
         """Stop watching once every rank is through the final barrier. Rank 0 hosts the
         store, so it leaves last: it waits until the others have stopped using it."""
+        self._closing.set()
+        if self._thread.is_alive():
+            self._thread.join()
         if self.store is None:
             return
-        self._closing.set()
-        self._thread.join()
         me = self.topology.rank
         try:
             if me == 0:
@@ -178,10 +188,8 @@ class Watchdog:
         """Exit with code 1 after passing the reason on: the others may not have noticed
         yet, and once rank 0 leaves, its store cannot tell them."""
         log.error("stopping: %s", reason)
-        if self.store is None:
-            if threading.current_thread() is threading.main_thread():
-                raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
-            _exit_now(1)  # a deadline ran out while the main thread waits
+        if self.store is None and threading.current_thread() is threading.main_thread():
+            raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
         self._tell_others(FAILED, reason)
         if self.topology.rank == 0:
             time.sleep(2 * INTERVAL_S)
