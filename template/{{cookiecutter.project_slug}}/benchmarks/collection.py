@@ -1,7 +1,7 @@
 """Collection benchmark: the project's collector against a plain gymnasium loop.
 
     python benchmarks/collection.py                          # 32 CartPole copies, 192,000 frames
-    python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000   # needs .[mujoco]
+    python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000   # pip install -e ".[mujoco]"
 
 All step ``--envs`` copies in one synchronous gymnasium vector env and act with the same
 network, in this one process with one torch thread (a learner's share of a 3-rank run on
@@ -30,10 +30,9 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 from torchrl.collectors import Collector
-from torchrl.envs import GymWrapper, RewardSum
 from torchrl.modules import MLP, AdditiveGaussianModule, EGreedyModule, QValueActor
 
-from {{ cookiecutter.package_name }}.collector import make_collector, make_env
+from {{ cookiecutter.package_name }}.collector import as_torchrl, make_collector, make_env
 
 NOISE = 0.1  # epsilon, or the Gaussian noise's standard deviation
 BATCH_STEPS = 32  # collector steps per batch
@@ -101,7 +100,7 @@ def collector_rate(kind: str, policy: TensorDictModuleBase, env_id: str, num_env
             vectorization_mode="sync",
             vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
         )
-        env = GymWrapper(vector_env).append_transform(RewardSum())
+        env = as_torchrl(vector_env, seed=0)
         collector = Collector(env, policy, frames_per_batch=frames_per_batch, total_frames=total)
     iterator = iter(collector)
     first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up

@@ -42,7 +42,7 @@ WORKLOADS = {
         "env.id=Pendulum-v1",
         "env.num_envs=16",
         "collector.frames_per_batch=256",
-        "algo.updates_per_batch=4",
+        "algo.updates_per_batch=6",
     ],
 {%- endif %}
 }

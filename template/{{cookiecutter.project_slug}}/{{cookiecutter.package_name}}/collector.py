@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torchrl.collectors import AsyncCollector, Collector
-from torchrl.envs import EnvBase, GymWrapper, RewardSum
+from torchrl.envs import DoubleToFloat, EnvBase, GymWrapper, RewardSum
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from .config import ASYNC
@@ -55,6 +55,8 @@ def as_torchrl(gym_env: gym.Env, seed: int, device: torch.device | str = "cpu") 
     # A wrapped vector env is already a TransformedEnv and appends in place; any other env
     # comes back wrapped in a new one: use what append_transform returns.
     env = GymWrapper(gym_env, device=device).append_transform(RewardSum())
+    if env.observation_spec["observation"].dtype == torch.float64:  # MuJoCo's: networks are float32
+        env = env.append_transform(DoubleToFloat(in_keys=["observation"]))
     env.set_seed(seed)
     return env
 

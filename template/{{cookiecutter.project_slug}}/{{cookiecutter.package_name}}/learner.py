@@ -135,7 +135,6 @@ class Learner:
                 process_group=run.learner_group,
                 forward_sync_buffers=False,
             )
-        self.window = Window()
         self.reports: list[torch.futures.Future] = []
         self.saved_at = self.frames
         # An async collector acts with its own copy of the policy, refreshed every
@@ -144,7 +143,6 @@ class Learner:
         self.weight_sync_every = cfg.collector.weight_sync_every if cfg.collector.mode == ASYNC else 0
         self.pushed_at = [self.updates]
         self.lags: list[float] = []
-        self.started = time.monotonic()
 
     def batches(self) -> Iterator[TensorDictBase]:
         """The collector's batches until ``total_frames``, or until a learner is asked to
@@ -158,6 +156,9 @@ class Learner:
         # Starting an async collector's process imports torch anew: allow it more time.
         with self.collector_deadline(startup=True):
             self.collector = make_collector(cfg, self.agent.policy, seed, frames, run.device)
+        # Training time and rates start here: the collector's start-up is set-up.
+        self.started = time.monotonic()
+        self.window = Window()
         owner = run.watchdog.label(run.topology.rank)
         batches = iter(self.collector)
         while True:
