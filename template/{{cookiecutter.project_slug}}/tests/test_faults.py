@@ -54,6 +54,7 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     return process.returncode, stderr, time.monotonic() - started
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 2], ids=["rank0", "rank2"])
 def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     run_dir = tmp_path / "run"
@@ -77,6 +78,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     assert processes_of(run_dir) == {}, "no rank may outlive the run"
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
     run_dir = tmp_path / "run"
     command = [
@@ -101,6 +103,7 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
     assert processes_of(run_dir) == {}
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_says_where(tmp_path):
     run_dir = tmp_path / "run"
     # A discount that is not a number: no recipe's loss can be finite with it.

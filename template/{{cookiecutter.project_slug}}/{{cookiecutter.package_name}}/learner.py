@@ -139,6 +139,8 @@ def train(
         save_checkpoint(
             cfg, frames, updates, agent, optimizer, replay, topology, learner_group, fabric.device
         )
+    if window.frames:  # the frames since the last row: a run shorter than log_every gets one too
+        reports.append(recorder.rpc_async().report(frames, window.flush()))
     train_s = time.monotonic() - started
     collector.shutdown()
     if agent.uses_replay:
