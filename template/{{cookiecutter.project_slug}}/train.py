@@ -4,7 +4,7 @@
     python train.py fabric.devices=3               # Fabric starts 3 ranks itself
     fabric run --accelerator cpu --strategy ddp --devices 3 train.py seed=1
     python train.py --print-config env.id=Acrobot-v1   # show the resolved config and stop
-    python train.py recipe=sac --help              # every key: its value and what it means
+    python train.py recipe=<name> --help           # every key: its value and what it means
 
 With several ranks and a replay recipe, the first ``replay.ranks`` ranks host the
 prioritized replay buffer and the others are learners; with an on-policy recipe every rank

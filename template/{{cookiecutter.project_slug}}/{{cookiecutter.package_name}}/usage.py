@@ -8,7 +8,7 @@ Each description is written once, next to its value:
 - recipe hyperparameters (``algo.*``): the docstring under each field of the recipe's
   ``Config`` dataclass, as in CleanRL's ``Args``.
 
-The values shown are the resolved ones, so ``recipe=sac --help`` shows SAC's.
+The values shown are the resolved ones: ``recipe=<name> --help`` shows that recipe's.
 """
 
 from __future__ import annotations
