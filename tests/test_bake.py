@@ -119,7 +119,7 @@ def run_tests(project: Path, *arguments: str) -> str:
         cwd=project,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,  # a shared, loaded machine took over 15 minutes for the default suite
     )
     assert tests.returncode == 0, tests.stdout[-5000:] + tests.stderr[-3000:]
     assert " passed" in tests.stdout.strip().splitlines()[-1]
