@@ -29,19 +29,29 @@ class Config:
     """DQN hyperparameters. Frame counts are summed over all learner ranks."""
 
     hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
+    """units of the Q network's hidden layers"""
     lr: float = 2.3e-3
+    """Adam's learning rate"""
     gamma: float = 0.99
+    """discount factor"""
     batch_size: int = 64
+    """transitions per prioritized sample, per learner and update"""
     # Gradient updates after each collector batch (256 frames per learner by default):
     # each frame is replayed 32 times on average, as in the SB3 zoo's setting.
     updates_per_batch: int = 128
+    """gradient updates per learner after each collector batch"""
     learning_starts: int = 1000
+    """frames (all learners) collected before the first update"""
     eps_init: float = 1.0
+    """exploration: the probability of a random action at the start"""
     eps_end: float = 0.04
+    """exploration: the probability of a random action after eps_frames"""
     eps_frames: int = 16_000
+    """frames (all learners) over which epsilon falls linearly from eps_init to eps_end"""
     # Updates between target-network copies: once per collector batch, which is what the
     # SB3 zoo's setting amounts to (its target is refreshed while collecting).
     target_update_period: int = 128
+    """updates between copies of the Q network into the target network"""
 
 
 class Agent(nn.Module):

@@ -35,21 +35,29 @@ class Config:
     """PPO hyperparameters: the SB3 zoo's CartPole setting (8 envs x 32 steps per batch)."""
 
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    """units of the hidden layers of the actor and of the critic"""
     lr: float = 1e-3
-    # Frames (all learners) over which the learning rate falls linearly to 0, as in the
-    # zoo; None keeps it constant. Held constant, 1e-3 reached 500 on CartPole here and
-    # then fell back to about 150 for tens of thousands of frames.
+    """Adam's initial learning rate"""
+    # Decayed as in the zoo: held constant, 1e-3 reached 500 on CartPole here and then
+    # fell back to about 150 for tens of thousands of frames.
     lr_decay_frames: int | None = None
+    """frames (all learners) over which the learning rate falls linearly to 0; null: constant"""
     gamma: float = 0.98
+    """discount factor"""
     gae_lambda: float = 0.8
+    """GAE's lambda: the bias-variance trade-off of the advantages"""
     clip_epsilon: float = 0.2
+    """the clip range of the probability ratio"""
     entropy_coeff: float = 0.0
+    """weight of the entropy bonus in the loss"""
     critic_coeff: float = 0.5
-    # The runtime clips the gradients' norm to this before each step (None: no clipping).
+    """weight of the value loss in the loss"""
     max_grad_norm: float | None = 0.5
-    # Passes over each collected batch, cut into minibatches of this many frames per rank.
+    """the gradients' norm is clipped to this before each step; null: no clipping"""
     epochs: int = 20
+    """passes over each collected batch"""
     minibatch_size: int = 256
+    """frames per minibatch, per rank"""
 
 
 class Agent(nn.Module):

@@ -32,14 +32,22 @@ class Config:
     # The zoo's 256 units cost 1.4 times the time per update on CPU here (37 against 53
     # updates/s per learner on 3 ranks) and reached -200 at the same frame (6,016, seed 1).
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
+    """units of the hidden layers of the actor and of each critic"""
     lr: float = 1e-3
+    """Adam's learning rate, for the actor, the critics and the temperature"""
     gamma: float = 0.99
+    """discount factor"""
     batch_size: int = 256
+    """transitions per prioritized sample, per learner and update"""
     # One update per frame this learner collected: the zoo's one gradient step per env step.
     updates_per_batch: int = 64
+    """gradient updates per learner after each collector batch"""
     learning_starts: int = 1000
+    """frames (all learners) collected before the first update"""
     tau: float = 0.005
+    """Polyak averaging rate of the target critics, per update"""
     alpha_init: float = 1.0
+    """initial entropy temperature (learned from there)"""
 
 
 class Agent(nn.Module):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 
@@ -62,3 +63,20 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     optimizer.step()
     agent.after_update()
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_hyperparameter_is_described_under_its_field(name):
+    """`python train.py --help` shows the docstring under each field of the recipe's Config
+    (the project's usage.py reads it); each one must have one."""
+    source = (REPO / "recipes" / f"{name}.py").read_text()
+    (config,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "Config"]
+    described = {
+        node.target.id
+        for node, after in zip(config.body, config.body[1:], strict=False)
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(after, ast.Expr)
+        and isinstance(getattr(after.value, "value", None), str)
+    }
+    fields = {field.name for field in dataclasses.fields(importlib.import_module(f"recipes.{name}").Config)}
+    assert fields == described

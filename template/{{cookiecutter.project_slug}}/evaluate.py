@@ -2,6 +2,7 @@
 
     python evaluate.py checkpoint=runs/try                                # a run directory
     python evaluate.py checkpoint=runs/.../checkpoints/final.pt episodes=20 seed=1
+    python evaluate.py checkpoint=runs/try/checkpoints/frames-000000010240   # a training checkpoint
     python evaluate.py checkpoint=runs/try video=true                     # mp4s in run_dir/videos
 
 Prints the mean and standard deviation of the returns and writes them, with every
@@ -25,7 +26,10 @@ from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.config import ConfigError
 from {{ cookiecutter.package_name }}.evaluation import evaluate, record
 
-USAGE = "usage: python evaluate.py checkpoint=<run_dir or .pt> [episodes=10] [seed=0] [video=false]"
+USAGE = (
+    "usage: python evaluate.py checkpoint=<run_dir, .pt file or checkpoint folder>"
+    " [episodes=10] [seed=0] [video=false]"
+)
 
 
 @dataclass

@@ -4,6 +4,7 @@
     python train.py fabric.devices=3               # Fabric starts 3 ranks itself
     fabric run --accelerator cpu --strategy ddp --devices 3 train.py seed=1
     python train.py --print-config env.id=Acrobot-v1   # show the resolved config and stop
+    python train.py recipe=<name> --help           # every key: its value and what it means
 
 With several ranks and a replay recipe, the first ``replay.ranks`` ranks host the
 prioritized replay buffer and the others are learners; with an on-policy recipe every rank
@@ -27,21 +28,18 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, topology
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, topology, usage
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 DEFAULTS = Path(__file__).with_name("config.yaml")
-USAGE = "usage: python train.py [--print-config] [key=value ...]   (keys: see config.yaml)"
+FLAGS = {"-h", "--help", "--print-config"}
 
 
 def main(argv: list[str]) -> int:
-    if {"-h", "--help"} & set(argv):
-        print(USAGE)
-        return 0
-    overrides = [arg for arg in argv if arg != "--print-config"]
+    overrides = [arg for arg in argv if arg not in FLAGS]
     try:
         cfg = config.load(overrides, DEFAULTS)
         recipe = recipes.load(cfg.recipe)
@@ -58,6 +56,9 @@ def main(argv: list[str]) -> int:
         else:
             time.sleep(5)
         return 2
+    if {"-h", "--help"} & set(argv):
+        print(usage.render(cfg, recipe, DEFAULTS))
+        return 0
     if "--print-config" in argv:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
@@ -72,10 +73,29 @@ def main(argv: list[str]) -> int:
 
 
 def make_loggers(cfg: DictConfig) -> list:
-    """Fabric's loggers named in ``cfg.loggers``, all writing straight into run_dir."""
+    """The loggers named in ``cfg.loggers``: Fabric's CSV and TensorBoard loggers write
+    straight into run_dir; Lightning's W&B and MLflow loggers log to ``cfg.experiment``
+    under the run_dir's name. W&B follows its own settings (``WANDB_MODE=offline``, ...);
+    MLflow logs to ``MLFLOW_TRACKING_URI``, by default a SQLite file in this folder
+    (MLflow's recommended local store; ``mlflow ui`` shows it)."""
+    run_name = Path(cfg.run_dir).name
+
+    def wandb():
+        from lightning.pytorch.loggers import WandbLogger  # lightning.pytorch: slow to import, rarely needed
+
+        return WandbLogger(name=run_name, project=cfg.experiment, save_dir=cfg.run_dir)
+
+    def mlflow():
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+        return MLFlowLogger(cfg.experiment, run_name, tracking_uri=uri)
+
     makers = {
         "csv": lambda: CSVLogger(cfg.run_dir, name="", version="", flush_logs_every_n_steps=1),
         "tensorboard": lambda: TensorBoardLogger(cfg.run_dir, name="", version="", default_hp_metric=False),
+        "wandb": wandb,
+        "mlflow": mlflow,
     }
     return [makers[name]() for name in cfg.loggers]
 

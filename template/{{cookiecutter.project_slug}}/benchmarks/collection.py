@@ -1,7 +1,7 @@
 """Collection benchmark: the project's collector against a plain gymnasium loop.
 
-    python benchmarks/collection.py                          # 32 CartPole copies, 192,000 frames
-    python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000   # pip install -e ".[mujoco]"
+    python benchmarks/collection.py                 # 32 CartPole copies, 192,000 frames
+    python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000  # needs .[mujoco]
 
 All step ``--envs`` copies in one synchronous gymnasium vector env and act with the same
 network, in this one process with one torch thread (a learner's share of a 3-rank run on

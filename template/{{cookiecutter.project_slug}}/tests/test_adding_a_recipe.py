@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import PROJECT, command_env, free_port
 
 GUIDE = PROJECT / "docs" / "adding-a-recipe.md"
@@ -30,6 +32,7 @@ def run(command: list[str], project: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_guide_adds_a_recipe_that_trains_on_three_ranks(tmp_path):
     text = GUIDE.read_text()
     target, code = re.search(r"Save this as `([^`]+)`:\s*```python\n(.*?)```", text, re.S).groups()
@@ -41,8 +44,12 @@ def test_the_guide_adds_a_recipe_that_trains_on_three_ranks(tmp_path):
     assert set(after) - set(before) == {target}
     assert all(after[name] == content for name, content in before.items()), "the guide touches one file"
 
-    print_config, fabric_run, benchmark, pytest_run = guide_commands(text)
+    help_, print_config, fabric_run, benchmark, pytest_run = guide_commands(text)
     assert benchmark.startswith("python benchmarks/learning.py")  # minutes per seed: not run here
+
+    shown = run([sys.executable, *shlex.split(help_)[1:]], project)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert re.search(r"algo\.target_update_period=128 +updates between copies of the Q network", shown.stdout)
 
     shown = run([sys.executable, *shlex.split(print_config)[1:]], project)
     assert shown.returncode == 0, shown.stderr[-2000:]
@@ -63,4 +70,4 @@ def test_the_guide_adds_a_recipe_that_trains_on_three_ranks(tmp_path):
 
     tested = run([sys.executable, *shlex.split(pytest_run)[1:], "-p", "no:cacheprovider"], project)
     assert tested.returncode == 0, tested.stdout[-3000:]
-    assert re.search(r"\b3 passed\b", tested.stdout), tested.stdout[-500:]
+    assert re.search(r"\b4 passed\b", tested.stdout), tested.stdout[-500:]

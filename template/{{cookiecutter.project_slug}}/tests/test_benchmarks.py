@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from .conftest import free_port, run_command
 
 
@@ -17,6 +19,7 @@ def test_collection_benchmark_prints_a_table_and_a_json_line():
     assert "project collector" in result.stdout
 
 
+@pytest.mark.slow
 def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
     recipe, *overrides = (item for item in tiny if not item.startswith("total_frames="))
     command = [sys.executable, "benchmarks/end_to_end.py", "--recipe", recipe.removeprefix("recipe=")]
@@ -29,6 +32,7 @@ def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
     assert one_process["async_updates_per_s"] > 0 and one_process["policy_lag"] > 0
 
 
+@pytest.mark.slow
 def test_replay_benchmark_measures_rpc_against_in_process():
     command = [sys.executable, "benchmarks/replay.py", "--learners", "2", "--shards", "2", "--seconds", "0.5"]
     result = run_command(command)
@@ -38,6 +42,7 @@ def test_replay_benchmark_measures_rpc_against_in_process():
     assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
 
 
+@pytest.mark.slow
 def test_resume_benchmark_compares_one_run_with_a_resumed_one(tiny):
     recipe, *overrides = (
         item.removeprefix("recipe=") for item in tiny if not item.startswith("total_frames=")

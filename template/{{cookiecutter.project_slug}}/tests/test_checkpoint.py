@@ -170,6 +170,7 @@ def test_resume_from_nothing_is_one_error_line(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     recipe = REPLAY_RECIPE or RECIPES[0]
     run_dir = tmp_path / "run"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import config, recipes
 from {{ cookiecutter.package_name }}.topology import Topology
@@ -39,6 +42,39 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("recipe", recipes.available())
+def test_help_lists_every_key_with_its_value_and_a_description(capsys, recipe):
+    assert train.main([f"recipe={recipe}", "seed=7", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python train.py")
+    rows = dict(re.findall(r"^  (\S+?)=(.*)$", out, re.M))
+    cfg = config.load([f"recipe={recipe}", "seed=7"], train.DEFAULTS)
+    keys = flat_keys(OmegaConf.to_container(cfg))
+    assert sorted(rows) == sorted(keys)
+    assert rows["seed"].split()[0] == "7"  # the resolved values, overrides included
+    assert rows["env.id"].split()[0] == cfg.env.id  # a value the recipe sets
+    for key, text in rows.items():
+        value, _, description = text.partition("  ")
+        assert description.strip(), f"{key} has no description"
+    fields = [field.name for field in dataclasses.fields(recipes.load(recipe).Config)]
+    assert [key for key in keys if key.startswith("algo.")] == [f"algo.{name}" for name in fields]
+
+
+def flat_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        keys += flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def test_help_with_bad_input_is_one_error_line(capsys):
+    assert train.main(["recipe=nosuch", "--help"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: unknown recipe 'nosuch' (available: " + ", ".join(recipes.available()) + ")"
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -63,7 +99,7 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
-        (["loggers=[csv,wandb]"], "unknown logger 'wandb' in loggers (choose from csv, tensorboard)"),
+        (["loggers=[csv,neptune]"], "unknown logger 'neptune' in loggers (choose from csv, tensorboard"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         pytest.param(
             [f"recipe={REPLAY_RECIPE}", "replay.capacity=10"], "exceeds replay.capacity", marks=needs_replay

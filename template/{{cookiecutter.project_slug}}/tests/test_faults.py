@@ -76,6 +76,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 2], ids=["rank0", "rank2"])
 def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     run_dir = tmp_path / "run"
@@ -104,6 +105,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     assert not any(alive(pid) for pid in collectors), "no collector may outlive the run"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(REPLAY_RECIPE is None, reason="async collection is for replay recipes")
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
@@ -130,6 +132,7 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     assert processes_of(run_dir) == {} and not alive(collector), "nothing may outlive the run"
 
 
+@pytest.mark.slow
 def test_a_killed_launcher_takes_every_rank_with_it_within_60_s(tmp_path):
     run_dir = tmp_path / "run"
     command = fabric_command(3, "train.py", f"rpc.port={free_port()}", *LONG_RUN, f"run_dir={run_dir}")
@@ -154,6 +157,7 @@ def test_a_killed_launcher_takes_every_rank_with_it_within_60_s(tmp_path):
         assert any(f"the launcher (pid {process.pid}) is gone" in line for line in lines), stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, mode):
     if mode == "async" and REPLAY_RECIPE is None:
@@ -185,6 +189,7 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, mode):
     assert processes_of(run_dir) == {}
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_stops_the_run_and_says_where(tmp_path):
     run_dir = tmp_path / "run"
     # A discount that is not a number: no recipe's loss can be finite with it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import subprocess
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import recipes
+from {{ cookiecutter.package_name }} import checkpoint, recipes
 
 from .conftest import (
     PROJECT,
@@ -57,6 +58,30 @@ def test_each_recipe_trains_in_one_process_and_writes_its_records(tmp_path, reci
     assert json.loads((run_dir / "evaluation.json").read_text())["episodes"] == 2
 
 
+def test_a_run_shorter_than_log_every_records_its_metrics_and_its_checkpoint_plays(tmp_path):
+    run_dir = tmp_path / "run"
+    short = ["total_frames=512", "log_every=100000", "eval.every=0", "checkpoint.every=256"]
+    command = [sys.executable, "train.py", *tiny_overrides(RECIPES[0]), *short, f"run_dir={run_dir}"]
+    summary = read_summary(run_command(command))
+    with (run_dir / "metrics.csv").open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    # One row of the learner's metrics and one of the final evaluation, both at the end.
+    assert [int(row["step"]) for row in rows] == [512, 512]
+    assert float(rows[0]["frames_per_s"]) > 0 and rows[0]["train_return"] != ""
+    assert float(rows[1]["eval_return"]) == pytest.approx(summary["eval_return"])
+
+    # evaluate.py takes a training checkpoint folder as well as the run and final.pt.
+    folder = run_dir / "checkpoints" / "frames-000000000512"
+    state, _ = checkpoint.load(checkpoint.locate(str(folder)))
+    final, _ = checkpoint.load(run_dir / checkpoint.FINAL)
+    assert state["algo"] == final["algo"] and state["agent"].keys() == final["agent"].keys()
+    assert all(torch.equal(state["agent"][key], final["agent"][key]) for key in final["agent"])
+    assert evaluate.main([f"checkpoint={folder}", "episodes=2"]) == 0
+    record = json.loads((run_dir / "evaluation.json").read_text())
+    assert record["checkpoint"] == str(folder) and record["episodes"] == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_recipe_trains_on_three_ranks_through_fabric_run(tmp_path, recipe):
     result = fabric_run(3, *tiny_overrides(recipe), f"run_dir={tmp_path}")
@@ -100,6 +125,7 @@ def check_three_rank_summary(summary: dict) -> None:
     assert [row["frames"] for row in summary["eval_history"]] == [2048]
 
 
+@pytest.mark.slow
 def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):
     command = [
         sys.executable,
@@ -113,6 +139,7 @@ def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):
     check_three_rank_summary(read_summary(run_command(command)))
 
 
+@pytest.mark.slow
 def test_async_collection_on_three_ranks_keeps_the_replay_ratio_and_reports_the_lag(tmp_path, tiny):
     summary = read_summary(
         fabric_run(3, *tiny, "collector.mode=async", "collector.weight_sync_every=2", f"run_dir={tmp_path}")
@@ -138,12 +165,14 @@ def test_sync_collection_is_reproducible(tmp_path):
     assert checksums[0] == checksums[1]
 
 
+@pytest.mark.slow
 def test_bad_input_under_fabric_run_is_reported_and_fails():
     result = fabric_run(3, "total_frames=0", timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("error: total_frames must be > 0, got 0") == 1, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_four_learners_write_to_one_replay_rank_and_nothing_is_lost(tmp_path, tiny):
     summary = read_summary(fabric_run(5, *tiny, "total_frames=4096", f"run_dir={tmp_path / 'run'}"))
     assert summary["roles"] == {"0": "replay", **{str(rank): "learner" for rank in range(1, 5)}}
@@ -152,6 +181,7 @@ def test_four_learners_write_to_one_replay_rank_and_nothing_is_lost(tmp_path, ti
     assert len(set(summary["learner_param_checksums"].values())) == 1
 
 
+@pytest.mark.slow
 def test_two_replay_shards_through_fabric_run(tmp_path, tiny):
     summary = read_summary(fabric_run(4, *tiny, "replay.ranks=2", f"run_dir={tmp_path / 'run'}"))
     assert summary["roles"] == {"0": "replay", "1": "replay", "2": "learner", "3": "learner"}
@@ -162,6 +192,7 @@ def test_two_replay_shards_through_fabric_run(tmp_path, tiny):
     assert len(set(summary["learner_param_checksums"].values())) == 1
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost(tmp_path, tiny):
     """The multi-node command shape: one launcher per node, node ranks 0 and 1, one main
     address and port (here both nodes are this machine)."""

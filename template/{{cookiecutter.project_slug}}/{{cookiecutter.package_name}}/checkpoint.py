@@ -50,9 +50,15 @@ def save_agent(path: Path, cfg: DictConfig, agent: torch.nn.Module) -> Path:
 
 
 def locate(path: str) -> Path:
-    """A checkpoint file, or a run directory holding ``checkpoints/final.pt``."""
+    """A checkpoint file, a training checkpoint folder (``checkpoints/frames-<N>``), or a
+    run directory: its ``checkpoints/final.pt``, else (a run that never finished) its
+    newest training checkpoint."""
     candidate = Path(path)
+    if (candidate / META).is_file():
+        return candidate
     if candidate.is_dir():
+        if not (candidate / FINAL).is_file() and list((candidate / FINAL.parent).glob(f"{PREFIX}*/{META}")):
+            return latest(candidate)
         candidate = candidate / FINAL
     if not candidate.is_file():
         raise ConfigError(f"no checkpoint at {candidate}")
@@ -64,12 +70,15 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 
 def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
-    """The saved state and its recipe module."""
+    """The saved state (as ``save_agent`` writes it) and its recipe module."""
     try:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        if checkpoint.is_dir():
+            state = agent_state(checkpoint)
+        else:
+            state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         name = state["recipe"]
-    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError, TypeError) as error:
-        kind = type(error).__name__
+    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError) as err:
+        kind = type(err).__name__
         raise ConfigError(
             f"cannot read checkpoint {checkpoint} ({kind}): not an agent train.py saved"
         ) from None
@@ -77,6 +86,16 @@ def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
         return state, recipes.load(name)
     except ValueError as error:
         raise ConfigError(f"checkpoint {checkpoint}: {error}") from None
+
+
+def agent_state(folder: Path) -> dict[str, Any]:
+    """A training checkpoint in ``save_agent``'s form: the hyperparameters come from the
+    ``config.yaml`` its run wrote."""
+    meta = read_meta(folder)
+    algo = OmegaConf.load(run_dir_of(folder) / "config.yaml").algo
+    weights = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)["agent"]
+    algo = OmegaConf.to_container(algo)
+    return {"recipe": meta["recipe"], "env_id": meta["env_id"], "algo": algo, "agent": weights}
 
 
 def training_dir(run_dir: str | Path, frames: int) -> Path:

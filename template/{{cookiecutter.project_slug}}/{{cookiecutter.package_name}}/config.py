@@ -8,6 +8,7 @@ frames per batch, total frames) sit under config.yaml, so either can override th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import recipes
 
-LOGGERS = ("csv", "tensorboard")
+# Fabric's own loggers and two of Lightning's experiment trackers (extras [wandb], [mlflow]).
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 SYNC, ASYNC = "sync", "async"  # collector.mode
 
 
@@ -92,6 +94,7 @@ class RunConfig:
     threads: int | None = None
     log_every: int = MISSING
     loggers: list[str] = MISSING
+    experiment: str = MISSING
     progress: bool = MISSING
     env: EnvConfig = field(default_factory=EnvConfig)
     collector: CollectorConfig = field(default_factory=CollectorConfig)
@@ -180,6 +183,9 @@ def validate(cfg: DictConfig) -> None:
     unknown = sorted(set(cfg.loggers) - set(LOGGERS))
     if unknown:
         raise ConfigError(f"unknown logger '{unknown[0]}' in loggers (choose from {', '.join(LOGGERS)})")
+    for tracker in ("wandb", "mlflow"):
+        if tracker in cfg.loggers and importlib.util.find_spec(tracker) is None:
+            raise ConfigError(f"loggers: {tracker} is not installed (pip install -e '.[{tracker}]')")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
     if cfg.env.id not in gym.registry:

@@ -252,6 +252,8 @@ class Learner:
         cfg, stop = self.run.cfg, self.run.watchdog.stop
         if stop.is_set() and cfg.checkpoint.every > 0 and self.saved_at != self.frames:
             self.save_checkpoint(replay)  # stopped early: the run can go on from here
+        if self.window.frames:  # the frames since the last row: a run shorter than log_every gets one too
+            self.reports.append(self.run.recorder.rpc_async().report(self.frames, self.window.flush()))
         train_s = time.monotonic() - self.started
         self.collector.shutdown()
         if replay is not None:

@@ -66,6 +66,8 @@ class Recorder:
             for logger in fabric.loggers:
                 logger.experiment  # noqa: B018
         OmegaConf.save(cfg, self.run_dir / "config.yaml")
+        for logger in trackers(fabric):
+            logger.log_hyperparams(OmegaConf.to_container(cfg))
         self.started = time.monotonic()
         if not cfg.progress:
             hidden = True
@@ -172,14 +174,40 @@ class Recorder:
             "checkpoint": learners[0]["checkpoint"],
         }
         self.progress.close()
-        for logger in self.fabric.loggers:
-            logger.finalize("success")
+        if not self.eval_history or self.eval_history[-1]["frames"] != frames:
+            # The final evaluation is the run's last metrics row, however short the run.
+            self.fabric.log_dict({"eval_return": summary["eval_return"]}, step=frames)
         evaluations = [(row["frames"], row["eval_return"]) for row in self.eval_history]
         evaluations.append((frames, summary["eval_return"]))
         learning_curve(self.run_dir / "learning_curve.png", self.train_history, evaluations, self.title)
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
+        files = [path, self.run_dir / "learning_curve.png", self.run_dir / "config.yaml"]
+        for logger in trackers(self.fabric):
+            publish(logger, summary, files)
+        for logger in self.fabric.loggers:
+            logger.finalize("success")
         return path
+
+
+def trackers(fabric: Fabric) -> list:
+    """The experiment trackers among Fabric's loggers (W&B, MLflow): they take the config
+    and the summary too. Told apart by class name, so that lightning.pytorch (slow to
+    import) is imported only by runs that use one."""
+    return [logger for logger in fabric.loggers if type(logger).__name__ in ("WandbLogger", "MLFlowLogger")]
+
+
+def publish(logger: Any, summary: dict[str, Any], files: list[Path]) -> None:
+    """Hand the run's summary to a tracker the way it keeps one: W&B's run summary (its
+    numbers), MLflow's artifacts (the files)."""
+    if type(logger).__name__ == "WandbLogger":
+        logger.experiment.summary.update(
+            {key: value for key, value in summary.items() if isinstance(value, (int, float))}
+        )
+        logger.experiment.finish()  # Lightning's finalize leaves the W&B run open
+    else:
+        for file in files:
+            logger.experiment.log_artifact(logger.run_id, str(file))
 
 
 def merge(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -1,0 +1,104 @@
+"""``python train.py --help``: every config key with its value and a one-line description.
+
+Each description is written once, next to its value:
+
+- run keys: the comment after the key in ``config.yaml`` (the file users read and edit,
+  as in lightning-hydra-template); keys a recipe sets (``total_frames``, ``env.*``,
+  ``collector.frames_per_batch``) stand there as ``???`` with their comment;
+- recipe hyperparameters (``algo.*``): the docstring under each field of the recipe's
+  ``Config`` dataclass, as in CleanRL's ``Args``.
+
+The values shown are the resolved ones: ``recipe=<name> --help`` shows that recipe's.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+from omegaconf import DictConfig, OmegaConf
+
+USAGE = "usage: python train.py [--help] [--print-config] [key=value ...]"
+# `key: value  # comment`, `key:  # comment` (a section) or `key: value`.
+_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*)(?:#\s?(?P<comment>.*))?$")
+
+
+def yaml_comments(path: Path) -> dict[str, str]:
+    """Dotted key -> the comment on its line in a YAML file laid out one key per line."""
+    comments, parents = {}, []  # parents: (indent, key) of the enclosing sections
+    for line in path.read_text().splitlines():
+        match = _LINE.match(line)
+        if not match:
+            continue
+        indent = len(match["indent"])
+        parents = [(depth, key) for depth, key in parents if depth < indent]
+        dotted = ".".join([key for _, key in parents] + [match["key"]])
+        if match["comment"]:
+            comments[dotted] = match["comment"].strip()
+        parents.append((indent, match["key"]))
+    return comments
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it in the dataclass ``cls``, on one line."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def render(cfg: DictConfig, recipe: ModuleType, defaults: Path) -> str:
+    """The help text for the resolved ``cfg``."""
+    comments = yaml_comments(defaults)
+    values = flatten(OmegaConf.to_container(cfg))
+    run = [
+        (key, value, comments.get(key, "")) for key, value in values.items() if key.split(".")[0] != "algo"
+    ]
+    docs = field_docs(recipe.Config)
+    algo = [
+        (f"algo.{field.name}", values[f"algo.{field.name}"], docs.get(field.name, ""))
+        for field in dataclasses.fields(recipe.Config)
+    ]
+    width = max(len(f"{key}={value}") for key, value, _ in run + algo) + 2
+    lines = [
+        USAGE,
+        "",
+        "Override any key as key=value. Run settings (config.yaml; ??? there: the recipe's value):",
+    ]
+    lines += [f"  {f'{key}={value}':<{width}}{text}" for key, value, text in run]
+    lines += ["", f"Hyperparameters of recipe '{cfg.recipe}' ({recipe.__name__.replace('.', '/')}.py):"]
+    lines += [f"  {f'{key}={value}':<{width}}{text}" for key, value, text in algo]
+    return "\n".join(lines)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = format_value(value)
+    return flat
+
+
+def format_value(value: object) -> str:
+    """As it would be typed on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(format_value(item) for item in value) + "]"
+    return str(value)
