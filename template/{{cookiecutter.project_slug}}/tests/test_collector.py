@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from {{ cookiecutter.package_name }}.collector import POLICY_VERSION, make_collector, push_weights
+from {{ cookiecutter.package_name }}.collector import POLICY_VERSION, make_collector
 
 
 def collector_config(mode: str, num_envs: int = 4, frames_per_batch: int = 200):
@@ -72,7 +72,7 @@ def test_async_collector_acts_with_the_weights_pushed_to_it():
         for _ in range(3):
             batch = next(batches)
         assert (batch[POLICY_VERSION] == 0).all() and (batch["action"].argmax(-1) == 0).all()
-        push_weights(collector, policy)
+        collector.update_policy_weights_(policy)
         # The batch in flight may straddle the push; the one after it follows it throughout.
         next(batches)
         batch = next(batches)

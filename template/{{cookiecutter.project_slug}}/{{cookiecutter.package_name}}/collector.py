@@ -79,7 +79,7 @@ def make_collector(
     }
     if cfg.collector.mode == ASYNC:
         # The child acts with a CPU copy of the policy in shared memory: it never touches the
-        # learner's GPU, and the learner decides when the copy changes (push_weights).
+        # learner's GPU, and the learner decides when the copy changes (``update_policy_weights_``).
         # Every frame records the version (the number of pushes) of the weights it was
         # collected with, from which the learner computes the policy lag. The child ignores
         # the stop signals (an ignored signal stays ignored in a child, and Python keeps it
@@ -136,8 +136,3 @@ def signals_ignored(*signals: signal.Signals) -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def push_weights(collector: CollectorProcess, policy: TensorDictModuleBase) -> None:
-    """Copy the learner's current ``policy`` weights into the collector's copy."""
-    collector.update_policy_weights_(policy)

@@ -31,7 +31,7 @@ from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint
-from .collector import POLICY_VERSION, make_collector, make_env, next_batch, push_weights
+from .collector import POLICY_VERSION, make_collector, make_env, next_batch
 from .config import ASYNC
 from .evaluation import evaluate
 from .replay import ReplayClient
@@ -204,7 +204,7 @@ class Learner:
         self.window.add_metrics(metrics)
         if self.weight_sync_every and self.updates % self.weight_sync_every == 0:
             with self.collector_deadline():  # the collector's process acknowledges the copy
-                push_weights(self.collector, self.agent.policy)
+                self.collector.update_policy_weights_(self.agent.policy)
             self.pushed_at.append(self.updates)
         return checked[1:].reshape(batch[agent.priority_key].shape) if agent.uses_replay else None
 
