@@ -143,6 +143,7 @@ class Learner:
         self.weight_sync_every = cfg.collector.weight_sync_every if cfg.collector.mode == ASYNC else 0
         self.pushed_at = [self.updates]
         self.lags: list[float] = []
+        self.label = run.watchdog.label(run.topology.rank)  # names this learner in errors
 
     def batches(self) -> Iterator[TensorDictBase]:
         """The collector's batches until ``total_frames``, or until a learner is asked to
@@ -159,11 +160,10 @@ class Learner:
         # Training time and rates start here: the collector's start-up is set-up.
         self.started = time.monotonic()
         self.window = Window()
-        owner = run.watchdog.label(run.topology.rank)
         batches = iter(self.collector)
         while True:
             with self.collector_deadline():
-                batch = next_batch(batches, owner)
+                batch = next_batch(batches, self.label)
             if batch is None or all_agree(run.watchdog.stop, run.learner_group, run.learners, run.device):
                 return  # done, or asked to stop (SIGINT, SIGTERM): every learner leaves at this same step
             self.frames += self.frames_per_step
@@ -211,9 +211,8 @@ class Learner:
     def collector_deadline(self, startup: bool = False) -> AbstractContextManager:
         """Stop the run if the collector keeps this learner waiting for ``collector.timeout``
         seconds (four times that to start)."""
-        owner = self.run.watchdog.label(self.run.topology.rank)
         timeout = self.run.cfg.collector.timeout * (4 if startup else 1)
-        return self.run.watchdog.deadline(f"the collector of {owner}", timeout)
+        return self.run.watchdog.deadline(f"the collector of {self.label}", timeout)
 
     def where(self) -> str:
         return f"frame {self.frames}, update {self.updates}"
