@@ -7,6 +7,17 @@ others). With several shards (as in Ape-X) each learner spreads its writes round
 and every batch is drawn across the shards in proportion to their total priority, with
 importance weights normalised over all shards: it is distributed like a batch from one
 buffer holding everything.
+
+Stacked pixel observations (Atari: uint8 ``[4, 84, 84]``, newest frame last) are stored
+frame by frame, each frame once, as Dopamine's circular buffer and torchrl's Atari buffers
+do: a transition keeps the stamps of its observation's frames and of the next
+observation's newest frame, and both stacks are gathered when it is sampled. Naively,
+one transition would hold eight frames (56 KB); here it holds one (7 KB). Each env copy's
+frames form a stream, which its learner always writes to the same shard, so a stream goes
+on across collector batches; at an episode start the env's own reset stack is stored
+whole (ale-py fills it with zeros), so no frame of an earlier episode can enter a stack.
+torchrl's prioritized samplers draw whole stored rows (``PrioritizedSliceSampler``:
+slices of trajectories), not single transitions over shared frames: that part is ours.
 """
 
 from __future__ import annotations
@@ -14,25 +25,64 @@ from __future__ import annotations
 import collections
 import math
 import threading
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tensordict import TensorDictBase
-from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+from torchrl.data.replay_buffers import Storage
 
 GENERATION = "generation"
 SHARD = "shard"
 WEIGHT = "priority_weight"
+OBSERVATION, NEXT_OBSERVATION = "observation", ("next", "observation")
+# A stored transition's frames: the stamps (write counts) of its observation's stack and of
+# the next observation's newest frame. A sampled one carries the frames themselves.
+FRAMES, PIXELS = "frames", "pixels"
+# The position, in its stream, of the first frame of a transition's observation (see pack).
+POSITION = "frame_position"
+MEMORY, MEMMAP = "memory", "memmap"  # replay.storage
+# A sampled transition whose frames were overwritten is drawn again, this many times at most.
+REDRAWS = 20
+
+
+def make_storage(kind: str, capacity: int, directory: str | Path | None) -> Storage:
+    """torchrl's storage for ``capacity`` items: in memory, or memory-mapped files in
+    ``directory``, which the process removes when it exits (they are scratch space; a
+    checkpoint copies what it keeps)."""
+    if kind == MEMMAP:
+        return LazyMemmapStorage(capacity, scratch_dir=directory, existsok=True, auto_cleanup=True)
+    return LazyTensorStorage(capacity)
 
 
 class ReplayShard:
     """One prioritized buffer served to learners; RPC calls arrive on several threads."""
 
-    def __init__(self, capacity: int, alpha: float, beta: float, priority_key: str, shard: int = 0):
+    def __init__(
+        self,
+        capacity: int,
+        alpha: float,
+        beta: float,
+        priority_key: str,
+        shard: int = 0,
+        storage: str = MEMORY,
+        directory: str | Path | None = None,
+    ) -> None:
+        folder = Path(directory) if directory is not None else None
         self.buffer = TensorDictPrioritizedReplayBuffer(
-            alpha=alpha, beta=beta, storage=LazyTensorStorage(capacity), priority_key=priority_key
+            alpha=alpha,
+            beta=beta,
+            storage=make_storage(storage, capacity, folder and folder / "transitions"),
+            priority_key=priority_key,
         )
+        # Created for stacked pixel observations, at their first write (see extend_frames).
+        # As many frames as transitions: a frame per step, plus a reset stack per episode,
+        # so the oldest transitions of a full shard (4 / episode length of them) have lost
+        # a frame; sampling draws those again.
+        self.frames = FrameStore(make_storage(storage, capacity, folder and folder / "frames"))
+        self.tails: dict[str, torch.Tensor] = {}  # stream -> stamps of its newest stack
         self.shard = shard
         # How often each slot has been written. A priority computed for a transition that
         # has since been overwritten belongs to the old occupant: it is dropped.
@@ -47,6 +97,32 @@ class ReplayShard:
             self.generation[index] += 1
             self.inserted += transitions.numel()
 
+    def extend_frames(
+        self, rows: TensorDictBase, frames: torch.Tensor, counts: torch.Tensor, streams: list[str], depth: int
+    ) -> None:
+        """Store what ``pack`` made of a batch: ``rows`` ``[streams, steps]`` with each
+        transition's ``POSITION`` in its stream, the streams' new ``frames`` one after the
+        other (``counts`` of them per stream), the streams' names, and the stack's depth."""
+        with self._lock:
+            first = self.frames.write(frames)
+            offsets = torch.cumsum(counts, 0) - counts
+            missing = torch.full((depth,), -1, dtype=torch.long)
+            tails = torch.stack([self.tails.get(name, missing) for name in streams])
+            # Positions 0..depth-1 are the stream's newest stack so far, then its new frames.
+            position = rows[POSITION].unsqueeze(-1) + torch.arange(depth + 1)
+            new = first + offsets.view(-1, 1, 1) + position - depth
+            old = tails.gather(1, position.clamp(max=depth - 1).flatten(1)).view_as(position)
+            stamps = torch.where(position >= depth, new, old)
+            if (stamps < 0).any():
+                raise RuntimeError(f"shard {self.shard}: a stream goes on from frames this shard never got")
+            for name, stream in zip(streams, stamps, strict=True):
+                self.tails[name] = stream[-1, 1:].clone()
+            transitions = rows.exclude(POSITION).reshape(-1)
+            transitions[FRAMES] = stamps.reshape(-1, depth + 1)
+            index = self.buffer.extend(transitions)
+            self.generation[index] += 1
+            self.inserted += transitions.numel()
+
     def sample(self, count: int) -> tuple[TensorDictBase | None, float, float]:
         """``count`` transitions drawn by priority (none for 0), and this shard's priority
         mass: the sum and the minimum of its priorities, as the weights were computed."""
@@ -54,9 +130,26 @@ class ReplayShard:
             batch = None
             if count > 0:
                 batch = self.buffer.sample(count)
+                if FRAMES in batch.keys():
+                    batch = self._with_pixels(batch)
                 batch[GENERATION] = self.generation[batch["index"]]
                 batch[SHARD] = torch.full((count,), self.shard)
             return batch, *self._mass()
+
+    def _with_pixels(self, batch: TensorDictBase) -> TensorDictBase:
+        """``batch`` with each transition's frames (``PIXELS``: its observation's stack and
+        the next observation's newest frame) in place of their stamps. A transition whose
+        frames were overwritten is drawn again: this is rejection sampling, so the draws
+        stay distributed by priority over the transitions that still have their frames."""
+        for _ in range(REDRAWS):
+            lost = ~self.frames.holds(batch[FRAMES])
+            if not lost.any():
+                break
+            batch[lost] = self.buffer.sample(int(lost.sum()))
+        else:
+            raise RuntimeError(f"shard {self.shard}: too few transitions still have their frames")
+        batch[PIXELS] = self.frames.read(batch[FRAMES])
+        return batch.exclude(FRAMES)
 
     def update_priority(self, priorities: TensorDictBase) -> None:
         """``priorities`` holds ``index``, ``generation`` and the priority key of a sample."""
@@ -77,15 +170,22 @@ class ReplayShard:
                 "generation": self.generation,
                 "inserted": self.inserted,
                 "stale_updates": self.stale_updates,
+                "frames_written": self.frames.written,
             }
+            if self.frames.written:
+                self.frames.storage.dumps(Path(folder) / "frames")
             torch.save(counts, Path(folder) / "shard.pt")
 
     def load(self, folder: str) -> None:
+        """Put back what ``save`` wrote. Streams start anew: a resumed run starts new episodes."""
         with self._lock:
             self.buffer.loads(folder)
             counts = torch.load(Path(folder) / "shard.pt", weights_only=True)
             self.generation = counts["generation"]
             self.inserted, self.stale_updates = counts["inserted"], counts["stale_updates"]
+            self.frames.written = counts["frames_written"]
+            if self.frames.written:
+                self.frames.storage.loads(Path(folder) / "frames")
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -102,6 +202,70 @@ class ReplayShard:
         return float(sampler._sum_tree.query(0, size)), float(sampler._min_tree.query(0, size))
 
 
+class FrameStore:
+    """Frames in a circular torchrl storage, each named by its stamp: the number of frames
+    written before it. Slot ``stamp % capacity`` holds it until ``capacity`` more come."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self.written = 0
+
+    def write(self, frames: torch.Tensor) -> int:
+        """Store ``frames`` (``[count, height, width]``); returns the first one's stamp."""
+        first = self.written
+        stamps = torch.arange(first, first + len(frames))
+        self.storage.set(stamps % self.storage.max_size, frames)
+        self.written += len(frames)
+        return first
+
+    def holds(self, stamps: torch.Tensor) -> torch.Tensor:
+        """Per row of ``stamps``: whether all its frames are still here."""
+        return stamps.min(-1).values >= self.written - self.storage.max_size
+
+    def read(self, stamps: torch.Tensor) -> torch.Tensor:
+        frames = self.storage.get(stamps.flatten() % self.storage.max_size)
+        return frames.view(*stamps.shape, *frames.shape[1:])
+
+
+def is_frame_stack(batch: TensorDictBase) -> bool:
+    """Whether ``batch`` (``[env copies, steps]``) holds stacked pixel observations: uint8
+    ``[stack, height, width]`` in which each next observation is the observation shifted by
+    one frame. Such observations are stored frame by frame; any other, whole."""
+    if batch.ndim != 2 or OBSERVATION not in batch.keys():
+        return False
+    observation = batch[OBSERVATION]
+    if observation.dtype != torch.uint8 or observation.ndim != 5 or observation.shape[2] < 2:
+        return False
+    return torch.equal(batch[NEXT_OBSERVATION][:, :, :-1], observation[:, :, 1:])
+
+
+def pack(batch: TensorDictBase, linked: torch.Tensor) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor]:
+    """The frames of ``batch`` (``[streams, steps]``) that a shard has not seen, and where
+    each transition's observation starts among them.
+
+    A stream's frames, as the shard sees them: its newest stack so far (positions
+    ``0..depth-1``; only where ``linked``, i.e. the first observation goes on from it), then
+    the frames written here. An observation that does not go on from the previous next
+    observation (an episode start, or the stream's first) is written whole, the env's own
+    stack; every step then writes the next observation's newest frame. Returns the rows
+    (the batch without pixels, with ``POSITION``), the new frames, and their count per stream.
+    """
+    observation, following = batch[OBSERVATION], batch[NEXT_OBSERVATION]
+    streams, steps, depth = observation.shape[:3]
+    starts = torch.ones(streams, steps, dtype=torch.bool)
+    starts[:, 1:] = (observation[:, 1:] != following[:, :-1]).flatten(2).any(-1)
+    starts[:, 0] = ~linked
+    written = starts.long() * depth + 1  # frames written at each step
+    before = torch.cumsum(written, 1) - written
+    rows = batch.exclude(OBSERVATION, NEXT_OBSERVATION)
+    # Going on, an observation is the previous next observation, whose stack starts at
+    # ``before``; a whole stack written at this step starts after the stream's old stack.
+    rows[POSITION] = before + starts.long() * depth
+    keep = torch.cat([starts.unsqueeze(-1).expand(-1, -1, depth), torch.ones(streams, steps, 1, dtype=torch.bool)], -1)
+    frames = torch.cat([observation, following[:, :, -1:]], 2)[keep]
+    return rows, frames, written.sum(1)
+
+
 class ReplayClient:
     """A learner's view of the replay shards: writes are asynchronous, samples prefetched.
 
@@ -110,6 +274,10 @@ class ReplayClient:
     back in one call per request. Futures are awaited in order (at most ``max_in_flight``
     outstanding writes), so an error on a replay rank surfaces on the learner at the next
     call instead of vanishing.
+
+    ``extend`` takes a collector batch ``[env copies, steps]``. Stacked pixel observations
+    (``is_frame_stack``, decided at the first batch) go frame by frame, each env copy always
+    to the same shard; anything else goes row by row, each batch to the next shard.
     """
 
     def __init__(
@@ -126,6 +294,7 @@ class ReplayClient:
         self.beta = beta
         self.batches_per_request = batches_per_request
         self.max_in_flight = max_in_flight
+        self._first_shard = first_shard
         self._next_shard = first_shard % len(self.shards)
         self._writes: collections.deque[torch.futures.Future] = collections.deque()
         self._priorities: list[TensorDictBase] = []
@@ -133,12 +302,49 @@ class ReplayClient:
         self._next_request: list[torch.futures.Future] | None = None
         self._mass_sum = torch.zeros(len(self.shards), dtype=torch.float64)
         self._mass_min = torch.full((len(self.shards),), math.inf, dtype=torch.float64)
+        self._frame_stack: bool | None = None  # decided by the first batch
+        self._writer = uuid.uuid4().hex  # names this client's streams on the shards
+        self._newest: dict[int, torch.Tensor] = {}  # env copy -> the next observation last written
+        self._frame_writes: dict[int, torch.futures.Future] = {}  # shard -> its last frame write
 
     def extend(self, transitions: TensorDictBase) -> None:
-        """Write to the shards in turn (starting from ``first_shard``), asynchronously."""
+        """Write a collector batch ``[env copies, steps]`` (or flat transitions) to the
+        shards, asynchronously."""
+        if self._frame_stack is None:
+            self._frame_stack = is_frame_stack(transitions)
+        if self._frame_stack:
+            self._extend_frames(transitions)
+            return
         shard = self.shards[self._next_shard]
         self._next_shard = (self._next_shard + 1) % len(self.shards)
-        self._track(shard.rpc_async().extend(transitions))
+        self._track(shard.rpc_async().extend(transitions.reshape(-1)))
+
+    def _extend_frames(self, batch: TensorDictBase) -> None:
+        """Env copy ``n`` writes to shard ``(first_shard + n) % shards``, where its stream of
+        frames goes on from its previous batch."""
+        if batch.ndim != 2 or not torch.equal(batch[NEXT_OBSERVATION][:, :, :-1], batch[OBSERVATION][:, :, 1:]):
+            raise ValueError("stacked pixel observations changed shape or stopped being a frame stack")
+        copies = torch.arange(batch.shape[0])
+        route = (copies + self._first_shard) % len(self.shards)
+        for shard_index in route.unique().tolist():
+            mine = copies[route == shard_index]
+            part = batch[mine]
+            first = part[OBSERVATION][:, 0]
+            linked = torch.tensor(
+                [n in self._newest and torch.equal(first[i], self._newest[n]) for i, n in enumerate(mine.tolist())]
+            )
+            rows, frames, counts = pack(part, linked)
+            for i, n in enumerate(mine.tolist()):
+                self._newest[n] = part[NEXT_OBSERVATION][i, -1].clone()
+            # RPC may run two calls of one caller in either order; a stream must arrive in order.
+            previous = self._frame_writes.get(shard_index)
+            if previous is not None:
+                previous.wait()
+            streams = [f"{self._writer}/{n}" for n in mine.tolist()]
+            depth = part[OBSERVATION].shape[2]
+            future = self.shards[shard_index].rpc_async().extend_frames(rows, frames, counts, streams, depth)
+            self._frame_writes[shard_index] = future
+            self._track(future)
 
     def sample(self, prefetch: bool = True) -> TensorDictBase:
         """The next batch; with ``prefetch`` the next request goes out as a request arrives."""
@@ -148,7 +354,12 @@ class ReplayClient:
             self._batches.extend(self._receive(request))
             if prefetch:
                 self._next_request = self._request()
-        return self._batches.popleft()
+        batch = self._batches.popleft()
+        if PIXELS in batch.keys():
+            # One uint8 tensor came over the wire; the two stacks are views into it.
+            pixels = batch.pop(PIXELS)
+            batch[OBSERVATION], batch[NEXT_OBSERVATION] = pixels[:, :-1], pixels[:, 1:]
+        return batch
 
     def update_priority(self, batch: TensorDictBase, priority_key: str) -> None:
         """Send the new priorities of a sampled ``batch`` (the loss wrote them in place)."""
