@@ -167,11 +167,15 @@ def play_role(
             cfg.replay.beta,
             recipe.Agent.priority_key,
             shard=index,
+            storage=cfg.replay.storage,
+            directory=Path(cfg.replay.directory) / f"shard-{index}",
         )
-        if resumed:
+        if resumed and resumed["replay"]:
             shard.load(str(Path(resumed["folder"]) / f"replay-{index}"))
         topology.host("replay", shard)
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
+    if resumed and plan.rank == 0:
+        log.info("%s", resumed_line(plan, resumed, uses_replay))
 
     if plan.role == topology.LEARNER:
         recorder = topology.handle(plan, 0, "recorder")
@@ -199,6 +203,17 @@ def play_role(
         summary = records.close(shards)
     topology.disconnect(plan)
     return summary
+
+
+def resumed_line(plan: topology.Topology, resumed: dict, uses_replay: bool) -> str:
+    """What a resume restored, in one line."""
+    line = f"resumed from {resumed['folder']} at frame {resumed['frames']}, update {resumed['updates']}"
+    if not uses_replay:
+        return line
+    if not resumed["replay"]:
+        return f"{line}; replay not restored (saved with checkpoint.replay=false): refilled before updates resume"
+    sizes = [topology.handle(plan, rank, "replay").rpc_sync().stats()["size"] for rank in plan.shard_ranks]
+    return f"{line}; replay restored: {sum(sizes)} transitions in {len(sizes)} shard(s)"
 
 
 def requeue() -> None:

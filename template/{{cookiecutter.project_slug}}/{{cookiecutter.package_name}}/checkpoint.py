@@ -7,9 +7,10 @@ be rebuilt without the run's config file.
 ``checkpoints/frames-<N>/`` (every ``checkpoint.every`` frames) holds everything a run
 needs to go on from frame N (``resume=``): ``meta.json`` (recipe, env, layout, counters),
 ``agent.pt`` (weights with their target networks, optimizer state), ``rng-<i>.pt`` (each
-learner's random generators, its GPU's included) and ``replay-<i>/`` (each replay shard's contents and
-priorities). It is written under a temporary name and renamed when complete, so a crash
-while writing leaves the previous checkpoint as it was.
+learner's random generators, its GPU's included) and ``replay-<i>/`` (each replay shard's
+contents and priorities; left out with ``checkpoint.replay=false``, for buffers too large
+to copy each time). It is written under a temporary name and renamed when complete, so a
+crash while writing leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from . import recipes
 # Fabric's own loggers and two of Lightning's experiment trackers (extras [wandb], [mlflow]).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 SYNC, ASYNC = "sync", "async"  # collector.mode
+REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,8 @@ class ReplayConfig:
     alpha: float = MISSING
     beta: float = MISSING
     batches_per_request: int = MISSING
+    storage: str = MISSING
+    directory: str = MISSING
 
 
 @dataclass
@@ -83,6 +86,7 @@ class LearnersConfig:
 class CheckpointConfig:
     every: int = MISSING
     keep: int = MISSING
+    replay: bool = MISSING
 
 
 @dataclass
@@ -177,6 +181,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
     if cfg.replay.batches_per_request < 1:
         raise ConfigError(f"replay.batches_per_request must be >= 1, got {cfg.replay.batches_per_request}")
+    if cfg.replay.storage not in REPLAY_STORAGES:
+        raise ConfigError(f"replay.storage must be {' or '.join(REPLAY_STORAGES)}, got '{cfg.replay.storage}'")
     batch_size = getattr(cfg.algo, "batch_size", 0)
     if batch_size > cfg.replay.capacity:
         raise ConfigError(f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})")

@@ -68,12 +68,15 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
     """
     learner = Learner(run)
     agent, algo = learner.agent, learner.algo
+    learning_starts = algo.learning_starts
+    if run.resumed and not run.resumed["replay"]:
+        learning_starts += learner.frames  # the checkpoint left replay out: refill it first
     for batch in learner.batches():
         agent.after_collect(batch, learner.frames_per_step)
-        replay.extend(batch.reshape(-1).select(*agent.batch_keys))
+        replay.extend(batch.select(*agent.batch_keys))  # [env copies, steps]: stacked frames go once
         learner.inserted += batch.numel()
-        if learner.frames >= algo.learning_starts:
-            if learner.updates == 0:
+        if learner.frames >= learning_starts:
+            if learner.sampled == 0:
                 replay.flush()  # the first sample must see this learner's own frames
             for _ in range(algo.updates_per_batch):
                 sample = replay.sample()
@@ -313,8 +316,9 @@ def save_checkpoint(
     if index == 0:
         torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict()}, partial / "agent.pt")
         shards = replay.shards if replay is not None else []
-        for shard_index, shard in enumerate(shards):
-            shard.rpc_sync().save(str(partial / f"replay-{shard_index}"))
+        if cfg.checkpoint.replay:
+            for shard_index, shard in enumerate(shards):
+                shard.rpc_sync().save(str(partial / f"replay-{shard_index}"))
         meta = {
             "recipe": cfg.recipe,
             "env_id": cfg.env.id,
@@ -322,6 +326,7 @@ def save_checkpoint(
             "updates": updates,
             "learners": learners,
             "replay_shards": len(shards),
+            "replay": bool(shards) and cfg.checkpoint.replay,
             "frames_per_batch": cfg.collector.frames_per_batch,
         }
         checkpoint.write_meta(partial, meta)  # last: a folder without meta.json is incomplete

@@ -214,7 +214,8 @@ class FrameStore:
         """Store ``frames`` (``[count, height, width]``); returns the first one's stamp."""
         first = self.written
         stamps = torch.arange(first, first + len(frames))
-        self.storage.set(stamps % self.storage.max_size, frames)
+        # In a tensordict: torchrl's checkpointer loads those into a storage not yet filled.
+        self.storage.set(stamps % self.storage.max_size, TensorDict({"frame": frames}, [len(frames)]))
         self.written += len(frames)
         return first
 
@@ -223,7 +224,7 @@ class FrameStore:
         return stamps.min(-1).values >= self.written - self.storage.max_size
 
     def read(self, stamps: torch.Tensor) -> torch.Tensor:
-        frames = self.storage.get(stamps.flatten() % self.storage.max_size)
+        frames = self.storage.get(stamps.flatten() % self.storage.max_size)["frame"]
         return frames.view(*stamps.shape, *frames.shape[1:])
 
 

@@ -1,0 +1,162 @@
+"""Replay of stacked Atari frames: each frame stored once as uint8, and every sampled stack
+equal to the one the env itself produced, across batches, episode ends and shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tensordict import TensorDict
+from torchrl.envs import GymWrapper
+
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, topology
+from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.replay import FRAMES, NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
+
+from .conftest import REPLAY_RECIPE, collect_one_batch, load_script, needs_replay, tiny_overrides
+
+ale_py = pytest.importorskip("ale_py", reason="Atari needs the [atari] extra")
+
+ENVS, STEPS, BATCHES = 2, 20, 4
+# 25 agent steps per episode: every env copy ends several episodes, some across batches.
+EPISODE_FRAMES = 100
+STEP_ID = "step_id"
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[TensorDict]:
+    """Collector batches ``[env copies, steps]`` of Pong with ale-py's own preprocessing
+    (84x84 grey, 4-frame stack), each transition numbered by ``STEP_ID``."""
+    vector_env = ale_py.vector_env.AtariVectorEnv(
+        game="pong", num_envs=ENVS, autoreset_mode="SameStep", max_num_frames_per_episode=EPISODE_FRAMES
+    )
+    env = GymWrapper(vector_env)
+    env.set_seed(0)
+    batch = collect_one_batch(env, None, ENVS * STEPS * BATCHES)  # time runs along dim 1
+    env.close()
+    keys = [OBSERVATION, "action", NEXT_OBSERVATION, ("next", "reward"), ("next", "done"), ("next", "terminated")]
+    batch = batch.select(*keys)
+    batch[STEP_ID] = torch.arange(batch.numel()).view(batch.shape)
+    return list(batch.split(STEPS, dim=1))
+
+
+def filled(batches, shard_count: int = 1, capacity: int = 1000, **shard_options) -> tuple[list[ReplayShard], ReplayClient]:
+    shards = [ReplayShard(capacity, 0.6, 0.4, "td_error", shard=i, **shard_options) for i in range(shard_count)]
+    client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=64, beta=0.4)
+    for batch in batches:
+        client.extend(batch)
+    client.flush()
+    return shards, client
+
+
+def by_step(batches) -> TensorDict:
+    """Every collected transition, indexed by its ``STEP_ID``."""
+    everything = torch.cat([batch.reshape(-1) for batch in batches])
+    return everything[everything[STEP_ID].argsort()]
+
+
+def test_frames_are_stored_once_as_uint8(batches):
+    (shard,), _ = filled(batches)
+    transitions = ENVS * STEPS * BATCHES
+    done = torch.cat(batches, 1)["next", "done"].squeeze(-1)
+    # Each env copy's first observation, and one after each episode end but the last step's.
+    episode_starts = ENVS + int(done[:, :-1].sum())
+    assert episode_starts > 2 * ENVS
+    # One frame per step, plus the env's whole reset stack (4 frames) at each episode start.
+    assert shard.frames.written == transitions + 4 * episode_starts
+    stored = shard.frames.storage.get(torch.arange(shard.frames.written))["frame"]
+    assert stored.dtype == torch.uint8 and stored.shape == (shard.frames.written, 84, 84)
+    rows = shard.buffer[:]
+    assert len(rows) == transitions
+    assert OBSERVATION not in rows.keys() and NEXT_OBSERVATION not in rows.keys(True)
+    assert rows[FRAMES].shape == (transitions, 5)  # stamps of a stack and the next frame
+
+
+@pytest.mark.parametrize("shard_count", [1, 2])
+def test_sampled_stacks_are_the_envs_own_across_batches_and_episode_ends(batches, shard_count):
+    _, client = filled(batches, shard_count)
+    truth = by_step(batches)
+    seen = set()
+    for _ in range(40):
+        sample = client.sample()
+        assert sample[OBSERVATION].dtype == torch.uint8 and sample[OBSERVATION].shape[1:] == (4, 84, 84)
+        expected = truth[sample[STEP_ID]]
+        assert torch.equal(sample[OBSERVATION], expected[OBSERVATION])
+        assert torch.equal(sample[NEXT_OBSERVATION], expected[NEXT_OBSERVATION])
+        seen.update(sample[STEP_ID].tolist())
+    done = truth["next", "done"].squeeze(-1)
+    # The checks covered the stacks that matter: a last step and a reset stack, whose
+    # older frames are the zeros ale-py fills in, not frames of the episode before.
+    assert any(done[step] for step in seen)
+    reset = [step for step in seen if (truth[step][OBSERVATION][:3] == 0).all()]
+    assert reset and all(truth[step][OBSERVATION][3].any() for step in reset)
+
+
+def test_transitions_whose_frames_were_overwritten_are_never_sampled(batches):
+    # Frames outrun transitions (reset stacks): in a full small shard, some of the
+    # oldest transitions have lost a frame.
+    (shard,), client = filled(batches, capacity=50)
+    assert not shard.frames.holds(shard.buffer[:][FRAMES]).all()
+    truth = by_step(batches)
+    for _ in range(20):
+        sample = client.sample(prefetch=False)
+        assert torch.equal(sample[OBSERVATION], truth[sample[STEP_ID]][OBSERVATION])
+
+
+def test_memmap_storage_writes_its_files_in_the_named_directory(batches, tmp_path):
+    (shard,), client = filled(batches, storage="memmap", directory=tmp_path / "shard-0")
+    for part in ("frames", "transitions"):
+        files = [path for path in (tmp_path / "shard-0" / part).rglob("*.memmap")]
+        assert files, part
+    assert sum(path.stat().st_size for path in (tmp_path / "shard-0" / "frames").rglob("*.memmap")) == 1000 * 84 * 84
+    truth = by_step(batches)
+    sample = client.sample()
+    assert torch.equal(sample[NEXT_OBSERVATION], truth[sample[STEP_ID]][NEXT_OBSERVATION])
+
+
+def test_pixel_batches_that_stop_being_a_frame_stack_are_refused(batches):
+    _, client = filled(batches[:1])
+    broken = batches[1].clone()
+    broken[NEXT_OBSERVATION][:, :, 0] += 1
+    with pytest.raises(ValueError, match="stopped being a frame stack"):
+        client.extend(broken)
+
+
+def test_non_stacked_observations_go_row_by_row(batches):
+    # One frame per observation (no stack to share): stored whole, as CartPole's floats are.
+    single = batches[0].clone()
+    single[OBSERVATION] = single[OBSERVATION][:, :, -1:]
+    single[NEXT_OBSERVATION] = single[NEXT_OBSERVATION][:, :, -1:]
+    (shard,), client = filled([single])
+    assert shard.frames.written == 0 and shard.buffer[:][OBSERVATION].shape == (ENVS * STEPS, 1, 84, 84)
+
+
+train = load_script("train")
+
+
+@needs_replay
+@pytest.mark.parametrize("keep_replay", [True, False])
+def test_a_checkpoint_with_pixels_keeps_the_replay_or_says_it_did_not(batches, tmp_path, keep_replay):
+    overrides = [*tiny_overrides(REPLAY_RECIPE), f"run_dir={tmp_path}", f"checkpoint.replay={keep_replay}"]
+    cfg = config.load(overrides, train.DEFAULTS)
+    recipe = recipes.load(REPLAY_RECIPE)
+    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
+    (shard,), client = filled(batches)
+    plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
+    learner.save_checkpoint(cfg, 1024, 10, agent, agent.make_optimizer(), client, plan, None, torch.device("cpu"))
+
+    resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}), 1, 1)
+    assert resumed["replay"] is keep_replay
+    assert (checkpoint.latest(tmp_path) / "replay-0").exists() is keep_replay
+    again = ReplayShard(1000, 0.6, 0.4, "td_error")
+    topology.host("replay", again)
+    if keep_replay:
+        again.load(str(checkpoint.latest(tmp_path) / "replay-0"))
+        assert again.stats() == shard.stats() and again.frames.written == shard.frames.written
+        sample, _, _ = again.sample(64)
+        truth = by_step(batches)
+        assert torch.equal(sample["pixels"][:, :-1], truth[sample[STEP_ID]][OBSERVATION])
+        expected = f"at frame 1024, update 10; replay restored: {ENVS * STEPS * BATCHES} transitions in 1 shard(s)"
+    else:
+        expected = "at frame 1024, update 10; replay not restored (saved with checkpoint.replay=false)"
+    assert expected in train.resumed_line(plan, resumed, uses_replay=True)
