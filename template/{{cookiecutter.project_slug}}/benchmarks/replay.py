@@ -2,12 +2,15 @@
 
     python benchmarks/replay.py                    # batch 256; 1, 2 and 4 learners
     python benchmarks/replay.py --learners 1 8 --shards 2 --batches-per-request 1
+    python benchmarks/replay.py --atari --learners 1 2   # Pong frames, batch 32 (needs [atari])
 
 Uses the project's ReplayShard and ReplayClient, with the project's defaults. Each learner
-first extends for ``--seconds`` (256 CartPole-sized transitions per call), then samples
-and sends priorities back for ``--seconds`` (prefetching, as the learner loop does).
-Rates are summed over learners. In-process means the same shard and client in this one
-process, without RPC. Prints a table and, last, a JSON line.
+first extends for ``--seconds`` (256 CartPole-sized transitions per call; with ``--atari``,
+collector batches of real Pong frames, 4 env copies x 32 steps, stored frame by frame),
+then samples and sends priorities back for ``--seconds`` (prefetching, as the learner loop
+does). Rates are summed over learners. In-process means the same shard and client in this
+one process, without RPC. With ``--atari`` it also prints what one stored transition costs
+in memory against storing both stacks. Prints a table and, last, a JSON line.
 """
 
 from __future__ import annotations
@@ -17,16 +20,22 @@ import json
 import socket
 import time
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tensordict import TensorDict
+from torchrl.collectors import Collector
+from torchrl.envs import GymWrapper
 
 from {{ cookiecutter.package_name }} import topology
-from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay import NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
 
 CAPACITY = 1_000_000
+ATARI_CAPACITY = 50_000  # per shard: the bytes per transition do not depend on it
 ALPHA, BETA = 0.6, 0.4
+ATARI_ENVS, ATARI_STEPS = 4, 32
 
 
 def transitions(count: int) -> TensorDict:
@@ -46,14 +55,44 @@ def transitions(count: int) -> TensorDict:
     )
 
 
-def measure(client: ReplayClient, batch_size: int, seconds: float) -> dict[str, float]:
+def pong_batches(count: int, seed: int) -> list[TensorDict]:
+    """``count`` collector batches ``[env copies, steps]`` of Pong with a random policy,
+    preprocessed by ale-py's vector env (84x84 grey, 4-frame stack)."""
+    try:
+        import ale_py
+    except ImportError:
+        sys.exit("error: --atari needs ale-py: pip install -e '.[atari]'")
+    vector_env = ale_py.vector_env.AtariVectorEnv(game="pong", num_envs=ATARI_ENVS, autoreset_mode="SameStep")
+    env = GymWrapper(vector_env)
+    env.set_seed(seed)
+    frames = ATARI_ENVS * ATARI_STEPS
+    collector = Collector(
+        env, None, frames_per_batch=frames, total_frames=frames * count, track_traj_ids=False,
+        auto_register_policy_transforms=False,
+    )  # fmt: skip
+    keys = [OBSERVATION, "action", NEXT_OBSERVATION, ("next", "reward"), ("next", "done"), ("next", "terminated")]
+    batches = [batch.select(*keys) for batch in collector]
+    collector.shutdown()
+    return batches
+
+
+def stored_bytes(shard: ReplayShard) -> float:
+    """Bytes one transition takes in ``shard``: its row, its share of the frames (the shard
+    keeps as many frames as transitions), its write count and its two priority-tree leaves."""
+    one = torch.arange(1)
+    row = shard.buffer.storage.get(one).bytes()
+    frame = shard.frames.storage.get(one).bytes() if shard.frames.written else 0
+    return row + frame + shard.generation.element_size() + 2 * 4
+
+
+def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dict[str, float]:
     """Extends per second (transitions) and samples per second (transitions sampled and
-    re-prioritised) through ``client``."""
-    data = transitions(batch_size)
+    re-prioritised) through ``client``; ``data`` is written over and over."""
     extended, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
-        client.extend(data)
-        extended += batch_size
+        batch = data[(extended // data[0].numel()) % len(data)]
+        client.extend(batch)
+        extended += batch.numel()
     client.flush()
     extend_rate = extended / (time.perf_counter() - started)
 
@@ -62,7 +101,7 @@ def measure(client: ReplayClient, batch_size: int, seconds: float) -> dict[str, 
         batch = client.sample()
         batch["td_error"] = torch.rand(batch.shape)
         client.update_priority(batch, "td_error")
-        sampled += batch_size
+        sampled += batch.numel()
     client.flush()
     return {"extends_per_s": extend_rate, "samples_per_s": sampled / (time.perf_counter() - started)}
 
@@ -71,9 +110,30 @@ def make_client(shards: list, args, first_shard: int = 0) -> ReplayClient:
     return ReplayClient(shards, args.batch_size, BETA, args.batches_per_request, first_shard)
 
 
-def in_process(args) -> dict[str, float]:
-    shard = ReplayShard(CAPACITY, ALPHA, BETA, "td_error")
-    return measure(make_client([topology.LocalRef(shard)], args), args.batch_size, args.seconds)
+def workload(args, seed: int) -> list[TensorDict]:
+    if args.atari:
+        return pong_batches(args.atari_batches, seed)
+    return [transitions(args.batch_size)]
+
+
+def make_shard(args, capacity: int, shard: int = 0) -> ReplayShard:
+    return ReplayShard(min(capacity, ATARI_CAPACITY) if args.atari else capacity, ALPHA, BETA, "td_error", shard)
+
+
+def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str, float]]:
+    """The rates, and what one stored transition costs (Atari)."""
+    shard = make_shard(args, CAPACITY)
+    rates = measure(make_client([topology.LocalRef(shard)], args), data, args.seconds)
+    footprint = {}
+    if args.atari:
+        transitions_in = shard.stats()["inserted"]
+        naive = 2 * data[0][OBSERVATION][0, 0].numel()  # both stacks, uint8
+        footprint = {
+            "bytes_per_transition": stored_bytes(shard),
+            "naive_bytes_per_transition": naive + stored_bytes(shard) - shard.frames.storage.get(torch.arange(1)).bytes(),
+            "frames_per_transition": shard.frames.written / transitions_in,
+        }
+    return rates, footprint
 
 
 def rank_main(rank: int, world_size: int, ports: tuple[int, int], args, results) -> None:
@@ -83,13 +143,13 @@ def rank_main(rank: int, world_size: int, ports: tuple[int, int], args, results)
     )
     plan = topology.Topology.plan(world_size, rank, replay_ranks=args.shards, uses_replay=True)
     if plan.role == topology.REPLAY:
-        shard = ReplayShard(CAPACITY // args.shards, ALPHA, BETA, "td_error", shard=rank)
-        topology.host("replay", shard)
+        topology.host("replay", make_shard(args, CAPACITY // args.shards, shard=rank))
+    data = workload(args, seed=rank) if plan.role == topology.LEARNER else None
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=120, collective_timeout_s=120)
     if plan.role == topology.LEARNER:
         shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
         client = make_client(shards, args, first_shard=plan.learner_index)
-        results[rank] = measure(client, args.batch_size, args.seconds)
+        results[rank] = measure(client, data, args.seconds)
     topology.disconnect(plan)
     dist.destroy_process_group()
 
@@ -114,27 +174,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, help="transitions per sample (default 256; --atari 32)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--shards", type=int, default=1, help="replay ranks in the RPC runs")
     parser.add_argument("--batches-per-request", type=int, default=4)
+    parser.add_argument("--atari", action="store_true", help="Pong frames instead of CartPole transitions")
+    parser.add_argument("--atari-batches", type=int, default=8, help="--atari: Pong batches collected per learner")
     args = parser.parse_args()
+    args.batch_size = args.batch_size or (32 if args.atari else 256)
     topology.bind_to_loopback_unless_named("127.0.0.1")
 
     torch.set_num_threads(1)
-    baseline = in_process(args)
-    rows = {"in-process": baseline}
+    baseline, footprint = in_process(args, workload(args, seed=0))
+    rows = {"in-process": {**baseline, "learners": 1}}
     for learners in args.learners:
-        rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = over_rpc(learners, args)
+        rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = {**over_rpc(learners, args), "learners": learners}
 
-    print(f"batch {args.batch_size}, {args.batches_per_request} batch(es) per request")
-    print(f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process (samples)':>24}")
+    workload_name = "Pong frames (uint8 4x84x84)" if args.atari else "CartPole transitions"
+    print(f"{workload_name}; batch {args.batch_size}, {args.batches_per_request} batch(es) per request")
+    print(f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process':>14} {'per learner':>12} {'vs in-process':>14}")
     for name, row in rows.items():
-        ratio = row["samples_per_s"] / baseline["samples_per_s"]
-        print(f"{name:<32} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {ratio:>24.2f}")
-    setup = {"batch_size": args.batch_size, "batches_per_request": args.batches_per_request}
-    print(json.dumps({"benchmark": "replay", **setup, "shards": args.shards, "rows": rows}))
+        per_learner = row["samples_per_s"] / row["learners"]
+        total, each = row["samples_per_s"] / baseline["samples_per_s"], per_learner / baseline["samples_per_s"]
+        print(
+            f"{name:<32} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {total:>14.2f} "
+            f"{per_learner:>12.0f} {each:>14.2f}"
+        )
+    if footprint:
+        print(
+            f"bytes per stored transition: {footprint['bytes_per_transition']:,.0f} "
+            f"(both stacks stored: {footprint['naive_bytes_per_transition']:,.0f}); "
+            f"frames written per transition {footprint['frames_per_transition']:.3f}"
+        )
+    setup = {"batch_size": args.batch_size, "batches_per_request": args.batches_per_request, "atari": args.atari}
+    print(json.dumps({"benchmark": "replay", **setup, "shards": args.shards, "rows": rows, **footprint}))
 
 
 if __name__ == "__main__":

@@ -327,9 +327,10 @@ class ReplayClient:
             raise ValueError("stacked pixel observations changed shape or stopped being a frame stack")
         copies = torch.arange(batch.shape[0])
         route = (copies + self._first_shard) % len(self.shards)
-        for shard_index in route.unique().tolist():
+        groups = route.unique().tolist()
+        for shard_index in groups:
             mine = copies[route == shard_index]
-            part = batch[mine]
+            part = batch if len(groups) == 1 else batch[mine]
             first = part[OBSERVATION][:, 0]
             linked = torch.tensor(
                 [n in self._newest and torch.equal(first[i], self._newest[n]) for i, n in enumerate(mine.tolist())]
