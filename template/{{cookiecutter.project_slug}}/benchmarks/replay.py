@@ -79,10 +79,12 @@ def pong_batches(count: int, seed: int) -> list[TensorDict]:
 def stored_bytes(shard: ReplayShard) -> float:
     """Bytes one transition takes in ``shard``: its row, its share of the frames (the shard
     keeps as many frames as transitions), its write count and its two priority-tree leaves."""
-    one = torch.arange(1)
-    row = shard.buffer.storage.get(one).bytes()
-    frame = shard.frames.storage.get(one).bytes() if shard.frames.written else 0
-    return row + frame + shard.generation.element_size() + 2 * 4
+    row = shard.buffer.storage.get(torch.arange(1)).bytes()
+    return row + frame_bytes(shard) + shard.generation.element_size() + 2 * 4
+
+
+def frame_bytes(shard: ReplayShard) -> int:
+    return shard.frames.frames[0].nbytes if shard.frames.frames is not None else 0
 
 
 def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dict[str, float]:
@@ -130,7 +132,7 @@ def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str
         naive = 2 * data[0][OBSERVATION][0, 0].numel()  # both stacks, uint8
         footprint = {
             "bytes_per_transition": stored_bytes(shard),
-            "naive_bytes_per_transition": naive + stored_bytes(shard) - shard.frames.storage.get(torch.arange(1)).bytes(),
+            "naive_bytes_per_transition": naive + stored_bytes(shard) - frame_bytes(shard),
             "frames_per_transition": shard.frames.written / transitions_in,
         }
     return rates, footprint

@@ -43,6 +43,18 @@ def test_replay_benchmark_measures_rpc_against_in_process():
 
 
 @pytest.mark.slow
+def test_replay_benchmark_on_atari_frames_prints_the_bytes_per_transition():
+    pytest.importorskip("ale_py", reason="Atari needs the [atari] extra")
+    command = [sys.executable, "benchmarks/replay.py", "--atari", "--learners", "1", "--seconds", "0.5"]
+    result = run_command([*command, "--atari-batches", "2"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["atari"] and all(row["samples_per_s"] > 0 for row in figures["rows"].values())
+    # One uint8 84x84 frame per transition, plus its row: far below both stacks' 56 KB.
+    assert 7056 < figures["bytes_per_transition"] < 7500 < 56448 < figures["naive_bytes_per_transition"]
+
+
+@pytest.mark.slow
 def test_resume_benchmark_compares_one_run_with_a_resumed_one(tiny):
     recipe, *overrides = (
         item.removeprefix("recipe=") for item in tiny if not item.startswith("total_frames=")

@@ -195,6 +195,9 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     summary = read_summary(resumed)
     assert summary["resumed_from"] == str(last)
     uses_replay = recipes.load(recipe).Agent.uses_replay
+    restored = "; replay restored: " if uses_replay else ""
+    assert f"resumed from {last} at frame {checkpoint.read_meta(last)['frames']}, update " in resumed.stderr
+    assert restored in resumed.stderr
     learners = 2 if uses_replay else 3
     assert summary["frames_collected"] == 9216
     assert summary["replay_size"] == (9216 if uses_replay else 0)  # the buffer came back whole
@@ -203,3 +206,24 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     # The records go on too: the evaluations logged before the checkpoint are still there.
     evaluated = [row["frames"] for row in summary["eval_history"]]
     assert len(evaluated) == 4 and evaluated == sorted(evaluated)  # every 2048 frames, as in one run
+
+
+@needs_replay
+@pytest.mark.slow
+def test_a_checkpoint_without_replay_resumes_with_empty_shards_and_refills_them(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*tiny_overrides(REPLAY_RECIPE), "checkpoint.every=1024", "checkpoint.replay=false", f"run_dir={run_dir}"]
+    first = run_command(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, "total_frames=2048"))
+    read_summary(first)
+    last = checkpoint.latest(run_dir)
+    assert not list(last.glob("replay-*")) and checkpoint.read_meta(last)["replay"] is False
+
+    resumed = run_command(
+        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, "total_frames=4096", f"resume={run_dir}")
+    )
+    summary = read_summary(resumed)
+    assert "replay not restored (saved with checkpoint.replay=false)" in resumed.stderr
+    assert summary["replay_size"] == 2048  # only what the resumed run collected
+    # No update until learning_starts (1024) more frames are in: the resumed run's steps of
+    # 512 frames end at 2560, 3072, 3584 and 4096, and the last three make 4 updates each.
+    assert summary["updates"] == checkpoint.read_meta(last)["updates"] + 3 * 4
