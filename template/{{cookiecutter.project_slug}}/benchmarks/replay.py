@@ -188,10 +188,15 @@ def main() -> None:
     topology.bind_to_loopback_unless_named("127.0.0.1")
 
     torch.set_num_threads(1)
-    baseline, footprint = in_process(args, workload(args, seed=0))
-    rows = {"in-process": {**baseline, "learners": 1}}
+    data = workload(args, seed=0)
+    before, footprint = in_process(args, data)
+    rows = {"in-process, before": {**before, "learners": 1}}
     for learners in args.learners:
         rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = {**over_rpc(learners, args), "learners": learners}
+    # Measured again after the RPC runs, and the faster of the two is the baseline: on a
+    # machine shared with other jobs, one measurement can fall on a busy moment.
+    rows["in-process, after"] = {**in_process(args, data)[0], "learners": 1}
+    baseline = max(rows["in-process, before"], rows["in-process, after"], key=lambda row: row["samples_per_s"])
 
     workload_name = "Pong frames (uint8 4x84x84)" if args.atari else "CartPole transitions"
     print(f"{workload_name}; batch {args.batch_size}, {args.batches_per_request} batch(es) per request")

@@ -38,7 +38,7 @@ def test_replay_benchmark_measures_rpc_against_in_process():
     result = run_command(command)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
-    assert set(rows) == {"in-process", "rpc, 2 shard(s), 2 learner(s)"}
+    assert set(rows) == {"in-process, before", "rpc, 2 shard(s), 2 learner(s)", "in-process, after"}
     assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
 
 

@@ -96,6 +96,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
             marks=needs_replay,
         ),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
+        (["replay.storage=disk"], "replay.storage must be memory or memmap, got 'disk'"),
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
