@@ -211,7 +211,7 @@ def resumed_line(plan: topology.Topology, resumed: dict, uses_replay: bool) -> s
     if not uses_replay:
         return line
     if not resumed["replay"]:
-        return f"{line}; replay not restored (saved with checkpoint.replay=false): refilled before updates resume"
+        return f"{line}; replay not restored (saved with checkpoint.replay=false): refilled before updating"
     sizes = [topology.handle(plan, rank, "replay").rpc_sync().stats()["size"] for rank in plan.shard_ranks]
     return f"{line}; replay restored: {sum(sizes)} transitions in {len(sizes)} shard(s)"
 

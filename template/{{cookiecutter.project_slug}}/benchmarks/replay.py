@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import time
-
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,7 +69,14 @@ def pong_batches(count: int, seed: int) -> list[TensorDict]:
         env, None, frames_per_batch=frames, total_frames=frames * count, track_traj_ids=False,
         auto_register_policy_transforms=False,
     )  # fmt: skip
-    keys = [OBSERVATION, "action", NEXT_OBSERVATION, ("next", "reward"), ("next", "done"), ("next", "terminated")]
+    keys = [
+        OBSERVATION,
+        "action",
+        NEXT_OBSERVATION,
+        ("next", "reward"),
+        ("next", "done"),
+        ("next", "terminated"),
+    ]
     batches = [batch.select(*keys) for batch in collector]
     collector.shutdown()
     return batches
@@ -119,7 +125,9 @@ def workload(args, seed: int) -> list[TensorDict]:
 
 
 def make_shard(args, capacity: int, shard: int = 0) -> ReplayShard:
-    return ReplayShard(min(capacity, ATARI_CAPACITY) if args.atari else capacity, ALPHA, BETA, "td_error", shard)
+    return ReplayShard(
+        min(capacity, ATARI_CAPACITY) if args.atari else capacity, ALPHA, BETA, "td_error", shard
+    )
 
 
 def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str, float]]:
@@ -182,7 +190,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=1, help="replay ranks in the RPC runs")
     parser.add_argument("--batches-per-request", type=int, default=4)
     parser.add_argument("--atari", action="store_true", help="Pong frames instead of CartPole transitions")
-    parser.add_argument("--atari-batches", type=int, default=8, help="--atari: Pong batches collected per learner")
+    parser.add_argument(
+        "--atari-batches", type=int, default=8, help="--atari: Pong batches collected per learner"
+    )
     args = parser.parse_args()
     args.batch_size = args.batch_size or (32 if args.atari else 256)
     topology.bind_to_loopback_unless_named("127.0.0.1")
@@ -192,18 +202,29 @@ def main() -> None:
     before, footprint = in_process(args, data)
     rows = {"in-process, before": {**before, "learners": 1}}
     for learners in args.learners:
-        rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = {**over_rpc(learners, args), "learners": learners}
+        rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = {
+            **over_rpc(learners, args),
+            "learners": learners,
+        }
     # Measured again after the RPC runs, and the faster of the two is the baseline: on a
     # machine shared with other jobs, one measurement can fall on a busy moment.
     rows["in-process, after"] = {**in_process(args, data)[0], "learners": 1}
-    baseline = max(rows["in-process, before"], rows["in-process, after"], key=lambda row: row["samples_per_s"])
+    baseline = max(
+        rows["in-process, before"], rows["in-process, after"], key=lambda row: row["samples_per_s"]
+    )
 
     workload_name = "Pong frames (uint8 4x84x84)" if args.atari else "CartPole transitions"
     print(f"{workload_name}; batch {args.batch_size}, {args.batches_per_request} batch(es) per request")
-    print(f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process':>14} {'per learner':>12} {'vs in-process':>14}")
+    print(
+        f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process':>14} "
+        f"{'per learner':>12} {'vs in-process':>14}"
+    )
     for name, row in rows.items():
         per_learner = row["samples_per_s"] / row["learners"]
-        total, each = row["samples_per_s"] / baseline["samples_per_s"], per_learner / baseline["samples_per_s"]
+        total, each = (
+            row["samples_per_s"] / baseline["samples_per_s"],
+            per_learner / baseline["samples_per_s"],
+        )
         print(
             f"{name:<32} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {total:>14.2f} "
             f"{per_learner:>12.0f} {each:>14.2f}"
@@ -214,7 +235,11 @@ def main() -> None:
             f"(both stacks stored: {footprint['naive_bytes_per_transition']:,.0f}); "
             f"frames written per transition {footprint['frames_per_transition']:.3f}"
         )
-    setup = {"batch_size": args.batch_size, "batches_per_request": args.batches_per_request, "atari": args.atari}
+    setup = {
+        "batch_size": args.batch_size,
+        "batches_per_request": args.batches_per_request,
+        "atari": args.atari,
+    }
     print(json.dumps({"benchmark": "replay", **setup, "shards": args.shards, "rows": rows, **footprint}))
 
 

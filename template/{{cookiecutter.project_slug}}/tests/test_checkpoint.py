@@ -212,14 +212,23 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_without_replay_resumes_with_empty_shards_and_refills_them(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [*tiny_overrides(REPLAY_RECIPE), "checkpoint.every=1024", "checkpoint.replay=false", f"run_dir={run_dir}"]
-    first = run_command(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, "total_frames=2048"))
+    overrides = [
+        *tiny_overrides(REPLAY_RECIPE),
+        "checkpoint.every=1024",
+        "checkpoint.replay=false",
+        f"run_dir={run_dir}",
+    ]
+    first = run_command(
+        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, "total_frames=2048")
+    )
     read_summary(first)
     last = checkpoint.latest(run_dir)
     assert not list(last.glob("replay-*")) and checkpoint.read_meta(last)["replay"] is False
 
     resumed = run_command(
-        fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, "total_frames=4096", f"resume={run_dir}")
+        fabric_command(
+            3, "train.py", f"rpc.port={free_port()}", *overrides, "total_frames=4096", f"resume={run_dir}"
+        )
     )
     summary = read_summary(resumed)
     assert "replay not restored (saved with checkpoint.replay=false)" in resumed.stderr

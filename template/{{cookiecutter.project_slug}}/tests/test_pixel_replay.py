@@ -34,14 +34,25 @@ def batches() -> list[TensorDict]:
     env.set_seed(0)
     batch = collect_one_batch(env, None, ENVS * STEPS * BATCHES)  # time runs along dim 1
     env.close()
-    keys = [OBSERVATION, "action", NEXT_OBSERVATION, ("next", "reward"), ("next", "done"), ("next", "terminated")]
+    keys = [
+        OBSERVATION,
+        "action",
+        NEXT_OBSERVATION,
+        ("next", "reward"),
+        ("next", "done"),
+        ("next", "terminated"),
+    ]
     batch = batch.select(*keys)
     batch[STEP_ID] = torch.arange(batch.numel()).view(batch.shape)
     return list(batch.split(STEPS, dim=1))
 
 
-def filled(batches, shard_count: int = 1, capacity: int = 1000, **shard_options) -> tuple[list[ReplayShard], ReplayClient]:
-    shards = [ReplayShard(capacity, 0.6, 0.4, "td_error", shard=i, **shard_options) for i in range(shard_count)]
+def filled(
+    batches, shard_count: int = 1, capacity: int = 1000, **shard_options
+) -> tuple[list[ReplayShard], ReplayClient]:
+    shards = [
+        ReplayShard(capacity, 0.6, 0.4, "td_error", shard=i, **shard_options) for i in range(shard_count)
+    ]
     client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=64, beta=0.4)
     for batch in batches:
         client.extend(batch)
@@ -141,7 +152,9 @@ def test_a_checkpoint_with_pixels_keeps_the_replay_or_says_it_did_not(batches, t
     agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
     (shard,), client = filled(batches)
     plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
-    learner.save_checkpoint(cfg, 1024, 10, agent, agent.make_optimizer(), client, plan, None, torch.device("cpu"))
+    learner.save_checkpoint(
+        cfg, 1024, 10, agent, agent.make_optimizer(), client, plan, None, torch.device("cpu")
+    )
 
     resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}), 1, 1)
     assert resumed["replay"] is keep_replay
@@ -154,7 +167,9 @@ def test_a_checkpoint_with_pixels_keeps_the_replay_or_says_it_did_not(batches, t
         sample, _, _ = again.sample(64)
         truth = by_step(batches)
         assert torch.equal(sample["pixels"][:, :-1], truth[sample[STEP_ID]][OBSERVATION])
-        expected = f"at frame 1024, update 10; replay restored: {ENVS * STEPS * BATCHES} transitions in 1 shard(s)"
+        expected = (
+            f"at frame 1024, update 10; replay restored: {ENVS * STEPS * BATCHES} transitions in 1 shard(s)"
+        )
     else:
         expected = "at frame 1024, update 10; replay not restored (saved with checkpoint.replay=false)"
     assert expected in train.resumed_line(plan, resumed, uses_replay=True)

@@ -182,7 +182,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.replay.batches_per_request < 1:
         raise ConfigError(f"replay.batches_per_request must be >= 1, got {cfg.replay.batches_per_request}")
     if cfg.replay.storage not in REPLAY_STORAGES:
-        raise ConfigError(f"replay.storage must be {' or '.join(REPLAY_STORAGES)}, got '{cfg.replay.storage}'")
+        raise ConfigError(
+            f"replay.storage must be {' or '.join(REPLAY_STORAGES)}, got '{cfg.replay.storage}'"
+        )
     batch_size = getattr(cfg.algo, "batch_size", 0)
     if batch_size > cfg.replay.capacity:
         raise ConfigError(f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})")

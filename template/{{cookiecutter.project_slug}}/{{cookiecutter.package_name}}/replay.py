@@ -295,7 +295,9 @@ def pack(batch: TensorDictBase, linked: torch.Tensor) -> tuple[TensorDictBase, t
     # Going on, an observation is the previous next observation, whose stack starts at
     # ``before``; a whole stack written at this step starts after the stream's old stack.
     rows[POSITION] = before + starts.long() * depth
-    keep = torch.cat([starts.unsqueeze(-1).expand(-1, -1, depth), torch.ones(streams, steps, 1, dtype=torch.bool)], -1)
+    keep = torch.cat(
+        [starts.unsqueeze(-1).expand(-1, -1, depth), torch.ones(streams, steps, 1, dtype=torch.bool)], -1
+    )
     frames = torch.cat([observation, following[:, :, -1:]], 2)[keep]
     return rows, frames, written.sum(1)
 
@@ -356,7 +358,9 @@ class ReplayClient:
     def _extend_frames(self, batch: TensorDictBase) -> None:
         """Env copy ``n`` writes to shard ``(first_shard + n) % shards``, where its stream of
         frames goes on from its previous batch."""
-        if batch.ndim != 2 or not torch.equal(batch[NEXT_OBSERVATION][:, :, :-1], batch[OBSERVATION][:, :, 1:]):
+        if batch.ndim != 2 or not torch.equal(
+            batch[NEXT_OBSERVATION][:, :, :-1], batch[OBSERVATION][:, :, 1:]
+        ):
             raise ValueError("stacked pixel observations changed shape or stopped being a frame stack")
         copies = torch.arange(batch.shape[0])
         route = (copies + self._first_shard) % len(self.shards)
@@ -366,7 +370,10 @@ class ReplayClient:
             part = batch if len(groups) == 1 else batch[mine]
             first = part[OBSERVATION][:, 0]
             linked = torch.tensor(
-                [n in self._newest and torch.equal(first[i], self._newest[n]) for i, n in enumerate(mine.tolist())]
+                [
+                    n in self._newest and torch.equal(first[i], self._newest[n])
+                    for i, n in enumerate(mine.tolist())
+                ]
             )
             rows, frames, counts = pack(part, linked)
             for i, n in enumerate(mine.tolist()):
