@@ -44,7 +44,7 @@ def test_replay_benchmark_measures_rpc_against_in_process():
 
 @pytest.mark.slow
 def test_replay_benchmark_on_atari_frames_prints_the_bytes_per_transition():
-    pytest.importorskip("ale_py", reason="Atari needs the [atari] extra")
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
     command = [sys.executable, "benchmarks/replay.py", "--atari", "--learners", "1", "--seconds", "0.5"]
     result = run_command([*command, "--atari-batches", "2"])
     assert result.returncode == 0, result.stderr[-2000:]

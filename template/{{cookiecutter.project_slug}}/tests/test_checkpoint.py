@@ -223,7 +223,8 @@ def test_a_checkpoint_without_replay_resumes_with_empty_shards_and_refills_them(
     )
     read_summary(first)
     last = checkpoint.latest(run_dir)
-    assert not list(last.glob("replay-*")) and checkpoint.read_meta(last)["replay"] is False
+    meta = checkpoint.read_meta(last)
+    assert not list(last.glob("replay-*")) and meta["replay"] is False
 
     resumed = run_command(
         fabric_command(
@@ -235,4 +236,4 @@ def test_a_checkpoint_without_replay_resumes_with_empty_shards_and_refills_them(
     assert summary["replay_size"] == 2048  # only what the resumed run collected
     # No update until learning_starts (1024) more frames are in: the resumed run's steps of
     # 512 frames end at 2560, 3072, 3584 and 4096, and the last three make 4 updates each.
-    assert summary["updates"] == checkpoint.read_meta(last)["updates"] + 3 * 4
+    assert summary["updates"] == meta["updates"] + 3 * 4

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchrl.envs import GymWrapper
@@ -13,9 +15,9 @@ from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes
 from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.replay import FRAMES, NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
 
-from .conftest import REPLAY_RECIPE, collect_one_batch, load_script, needs_replay, tiny_overrides
+from .conftest import REPLAY_RECIPE, collect_one_batch, free_port, load_script, needs_replay, tiny_overrides
 
-ale_py = pytest.importorskip("ale_py", reason="Atari needs the [atari] extra")
+ale_py = pytest.importorskip("ale_py", reason="needs the [atari] extra")
 
 ENVS, STEPS, BATCHES = 2, 20, 4
 # 25 agent steps per episode: every env copy ends several episodes, some across batches.
@@ -25,6 +27,10 @@ STEP_ID = "step_id"
 
 @pytest.fixture(scope="module")
 def batches() -> list[TensorDict]:
+    return pong_batches()
+
+
+def pong_batches() -> list[TensorDict]:
     """Collector batches ``[env copies, steps]`` of Pong with ale-py's own preprocessing
     (84x84 grey, 4-frame stack), each transition numbered by ``STEP_ID``."""
     vector_env = ale_py.vector_env.AtariVectorEnv(
@@ -121,6 +127,47 @@ def test_memmap_storage_writes_its_files_in_the_named_directory(batches, tmp_pat
     truth = by_step(batches)
     sample = client.sample()
     assert torch.equal(sample[NEXT_OBSERVATION], truth[sample[STEP_ID]][NEXT_OBSERVATION])
+
+
+def sample_over_rpc(rank: int, ports: tuple[int, int], result: dict) -> None:
+    """Rank 0 and 1 host a shard each; rank 2, the learner, writes Pong batches to them and
+    checks what it samples back against what it collected."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=3)
+    plan = topology.Topology.plan(world_size=3, rank=rank, replay_ranks=2, uses_replay=True)
+    if plan.role == topology.REPLAY:
+        topology.host("replay", ReplayShard(1000, 0.6, 0.4, "td_error", shard=rank))
+    batches = pong_batches() if plan.role == topology.LEARNER else None
+    topology.connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
+    if plan.role == topology.LEARNER:
+        shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
+        client = ReplayClient(shards, batch_size=64, beta=0.4)
+        for batch in batches:
+            client.extend(batch)
+        client.flush()
+        truth = by_step(batches)
+        checked = 0
+        for _ in range(10):
+            sample = client.sample()
+            expected = truth[sample[STEP_ID]]
+            assert sample[OBSERVATION].dtype == torch.uint8
+            assert torch.equal(sample[OBSERVATION], expected[OBSERVATION])
+            assert torch.equal(sample[NEXT_OBSERVATION], expected[NEXT_OBSERVATION])
+            checked += sample.numel()
+        result["checked"] = checked
+        result["shards"] = sorted(set(sample["shard"].tolist()))
+        result["sizes"] = [shard.rpc_sync().stats()["size"] for shard in shards]
+    topology.disconnect(plan)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_stacks_sampled_over_rpc_from_two_shards_are_the_envs_own():
+    topology.bind_to_loopback_unless_named("127.0.0.1")
+    with mp.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(sample_over_rpc, args=((free_port(), free_port()), result), nprocs=3)
+        assert result["checked"] == 640 and result["shards"] == [0, 1], dict(result)
+        assert result["sizes"] == [ENVS * STEPS * BATCHES // 2] * 2  # one env copy each
 
 
 def test_pixel_batches_that_stop_being_a_frame_stack_are_refused(batches):
