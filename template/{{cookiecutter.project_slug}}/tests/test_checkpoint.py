@@ -187,7 +187,8 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     killed.communicate(timeout=30)
     assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
     last = checkpoint.latest(run_dir)
-    assert checkpoint.read_meta(last)["frames"] < 9216
+    saved_at = checkpoint.read_meta(last)["frames"]
+    assert saved_at < 9216
 
     resumed = run_command(
         fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides, f"resume={run_dir}")
@@ -196,7 +197,7 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     assert summary["resumed_from"] == str(last)
     uses_replay = recipes.load(recipe).Agent.uses_replay
     restored = "; replay restored: " if uses_replay else ""
-    assert f"resumed from {last} at frame {checkpoint.read_meta(last)['frames']}, update " in resumed.stderr
+    assert f"resumed from {last} at frame {saved_at}, update " in resumed.stderr
     assert restored in resumed.stderr
     learners = 2 if uses_replay else 3
     assert summary["frames_collected"] == 9216
