@@ -115,7 +115,8 @@ def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dic
 
 
 def make_client(shards: list, args, first_shard: int = 0) -> ReplayClient:
-    return ReplayClient(shards, args.batch_size, BETA, args.batches_per_request, first_shard)
+    ahead = args.requests_ahead
+    return ReplayClient(shards, args.batch_size, BETA, args.batches_per_request, first_shard, requests_ahead=ahead)
 
 
 def workload(args, seed: int) -> list[TensorDict]:
@@ -189,6 +190,7 @@ def main() -> None:
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--shards", type=int, default=1, help="replay ranks in the RPC runs")
     parser.add_argument("--batches-per-request", type=int, default=4)
+    parser.add_argument("--requests-ahead", type=int, default=1, help="sample requests kept in flight")
     parser.add_argument("--atari", action="store_true", help="Pong frames instead of CartPole transitions")
     parser.add_argument(
         "--atari-batches", type=int, default=8, help="--atari: Pong batches collected per learner"
@@ -214,7 +216,10 @@ def main() -> None:
     )
 
     workload_name = "Pong frames (uint8 4x84x84)" if args.atari else "CartPole transitions"
-    print(f"{workload_name}; batch {args.batch_size}, {args.batches_per_request} batch(es) per request")
+    print(
+        f"{workload_name}; batch {args.batch_size}, {args.batches_per_request} batch(es) per request, "
+        f"{args.requests_ahead} request(s) ahead"
+    )
     print(
         f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process':>14} "
         f"{'per learner':>12} {'vs in-process':>14}"
@@ -238,6 +243,7 @@ def main() -> None:
     setup = {
         "batch_size": args.batch_size,
         "batches_per_request": args.batches_per_request,
+        "requests_ahead": args.requests_ahead,
         "atari": args.atari,
     }
     print(json.dumps({"benchmark": "replay", **setup, "shards": args.shards, "rows": rows, **footprint}))

@@ -305,11 +305,11 @@ def pack(batch: TensorDictBase, linked: torch.Tensor) -> tuple[TensorDictBase, t
 class ReplayClient:
     """A learner's view of the replay shards: writes are asynchronous, samples prefetched.
 
-    One request fetches ``batches_per_request`` batches, and the next request is sent as
-    soon as one arrives, so the learner trains while the network works; priorities go
-    back in one call per request. Futures are awaited in order (at most ``max_in_flight``
-    outstanding writes), so an error on a replay rank surfaces on the learner at the next
-    call instead of vanishing.
+    One request fetches ``batches_per_request`` batches, and ``requests_ahead`` more
+    requests stay in flight (a new one goes out as one arrives), so the learner trains
+    while the network works; priorities go back in one call per request. Futures are
+    awaited in order (at most ``max_in_flight`` outstanding writes), so an error on a
+    replay rank surfaces on the learner at the next call instead of vanishing.
 
     ``extend`` takes a collector batch ``[env copies, steps]``. Stacked pixel observations
     (``is_frame_stack``, decided at the first batch) go frame by frame, each env copy always
@@ -324,18 +324,20 @@ class ReplayClient:
         batches_per_request: int = 1,
         first_shard: int = 0,
         max_in_flight: int = 8,
+        requests_ahead: int = 1,
     ) -> None:
         self.shards = list(shards)
         self.batch_size = batch_size
         self.beta = beta
         self.batches_per_request = batches_per_request
         self.max_in_flight = max_in_flight
+        self.requests_ahead = requests_ahead
         self._first_shard = first_shard
         self._next_shard = first_shard % len(self.shards)
         self._writes: collections.deque[torch.futures.Future] = collections.deque()
         self._priorities: list[TensorDictBase] = []
         self._batches: collections.deque[TensorDictBase] = collections.deque()
-        self._next_request: list[torch.futures.Future] | None = None
+        self._requests: collections.deque[list[torch.futures.Future]] = collections.deque()
         self._mass_sum = torch.zeros(len(self.shards), dtype=torch.float64)
         self._mass_min = torch.full((len(self.shards),), math.inf, dtype=torch.float64)
         self._frame_stack: bool | None = None  # decided by the first batch
@@ -389,13 +391,12 @@ class ReplayClient:
             self._track(future)
 
     def sample(self, prefetch: bool = True) -> TensorDictBase:
-        """The next batch; with ``prefetch`` the next request goes out as a request arrives."""
+        """The next batch; with ``prefetch`` the next requests go out as a request arrives."""
         if not self._batches:
-            request = self._next_request or self._request()
-            self._next_request = None
+            request = self._requests.popleft() if self._requests else self._request()
             self._batches.extend(self._receive(request))
-            if prefetch:
-                self._next_request = self._request()
+            while prefetch and len(self._requests) < self.requests_ahead:
+                self._requests.append(self._request())
         batch = self._batches.popleft()
         if PIXELS in batch.keys():
             # One uint8 tensor came over the wire; the two stacks are views into it.
@@ -415,9 +416,8 @@ class ReplayClient:
         self._send_priorities()
         while self._writes:
             self._writes.popleft().wait()
-        if self._next_request is not None:
-            torch.futures.wait_all(self._next_request)
-            self._next_request = None
+        while self._requests:
+            torch.futures.wait_all(self._requests.popleft())
         self._batches.clear()
         if len(self.shards) > 1:
             self._receive(self._ask([0] * len(self.shards)))  # the shards' masses as of now
