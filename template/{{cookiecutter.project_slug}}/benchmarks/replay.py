@@ -116,7 +116,9 @@ def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dic
 
 def make_client(shards: list, args, first_shard: int = 0) -> ReplayClient:
     ahead = args.requests_ahead
-    return ReplayClient(shards, args.batch_size, BETA, args.batches_per_request, first_shard, requests_ahead=ahead)
+    return ReplayClient(
+        shards, args.batch_size, BETA, args.batches_per_request, first_shard, requests_ahead=ahead
+    )
 
 
 def workload(args, seed: int) -> list[TensorDict]:
