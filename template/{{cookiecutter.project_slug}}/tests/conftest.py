@@ -152,9 +152,16 @@ def processes_of(run_dir: Path) -> dict[int, int | None]:
     return found
 
 
+def failure_report(result: subprocess.CompletedProcess) -> str:
+    """What a failed run said: the ranks' one-line reasons first (the launcher's traceback
+    that follows them would push them out of a plain tail), then the output's tails."""
+    reasons = [line for line in result.stderr.splitlines() if "stopping:" in line or "error:" in line]
+    return "\n".join([*reasons, result.stdout[-2000:], result.stderr[-2000:]])
+
+
 def read_summary(result: subprocess.CompletedProcess) -> dict:
     """The summary named by the run's last printed line."""
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("summary: "), last_line
     return json.loads(Path(last_line.removeprefix("summary: ")).read_text())
