@@ -95,7 +95,7 @@ class Agent(nn.Module):
         )
         # Frames collected so far, all learners: a buffer, so checkpoints keep it.
         self.register_buffer("frames_seen", torch.zeros((), dtype=torch.long))
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_schedule: torch.optim.lr_scheduler.LambdaLR | None = None
         self.loss_module = ClipPPOLoss(
             self.actor,
             self.critic,
@@ -121,9 +121,21 @@ class Agent(nn.Module):
         }
         return loss, metrics
 
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        self.optimizer = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
-        return self.optimizer
+    def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        adam = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(adam, self.lr_factor)
+        return {"adam": adam}
+
+    def lr_factor(self, _) -> float:
+        """The fraction of ``lr_decay_frames`` still to collect: the schedule follows frames,
+        which ``frames_seen`` counts and checkpoints keep, rather than the scheduler's own
+        step count."""
+        if not self.cfg.lr_decay_frames:
+            return 1.0
+        return max(0.0, 1.0 - self.frames_seen.item() / self.cfg.lr_decay_frames)
+
+    def optimizers_to_step(self, update: int) -> list[str]:
+        return ["adam"]
 
     @torch.no_grad()
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
@@ -132,10 +144,8 @@ class Agent(nn.Module):
         and the learning rate for the updates on it."""
         self.advantage(batch)
         self.frames_seen += frames
-        if self.cfg.lr_decay_frames and self.optimizer is not None:
-            remaining = max(0.0, 1.0 - self.frames_seen.item() / self.cfg.lr_decay_frames)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.lr * remaining
+        if self.lr_schedule is not None:
+            self.lr_schedule.step()
 
-    def after_update(self) -> None:
+    def after_update(self, update: int) -> None:
         """Nothing to do: PPO has no target network."""

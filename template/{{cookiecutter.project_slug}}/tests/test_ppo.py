@@ -52,7 +52,7 @@ def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
     probe = minibatch[:4].select("observation")
     before = agent.policy(probe.clone())["logits"].detach()
     critic_before = agent.critic(probe.clone())["state_value"].detach()
-    optimizer = agent.make_optimizer()
+    (optimizer,) = agent.make_optimizers().values()
     loss.backward()
     optimizer.step()
     assert not torch.allclose(before, agent.policy(probe.clone())["logits"].detach())

@@ -120,10 +120,10 @@ class Learner:
         spec_env = make_env(cfg.env.id, cfg.env.num_envs, seed=0)  # what the agent's layers are sized by
         self.agent = run.recipe.Agent(self.algo, spec_env).to(run.device)
         spec_env.close()
-        self.optimizer = self.agent.make_optimizer()
+        self.optimizers = self.agent.make_optimizers()
         if run.resumed:
             checkpoint.restore_learner(
-                Path(run.resumed["folder"]), self.index, self.agent, self.optimizer, run.device
+                Path(run.resumed["folder"]), self.index, self.agent, self.optimizers, run.device
             )
         self.model = self.agent
         if run.learners > 1:
@@ -194,13 +194,17 @@ class Learner:
             raise NonFinite(f"non-finite loss ({checked[0].item()}) at {self.where()}")
         if not torch.isfinite(checked[1:]).all():
             raise NonFinite(f"non-finite priorities at {self.where()}")
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.max_norm is not None:
             # After backward, DDP has all-reduced the gradients: every learner clips the same.
             torch.nn.utils.clip_grad_norm_(self.agent.parameters(), self.max_norm)
-        self.optimizer.step()
-        self.agent.after_update()
+        # All gradients were all-reduced, so the learners' all-reduces pair up; the recipe
+        # says which optimizers use theirs at this update (TD3 moves its actor every other).
+        for name in agent.optimizers_to_step(self.updates):
+            self.optimizers[name].step()
+        agent.after_update(self.updates)
         self.window.add_metrics(metrics)
         if self.weight_sync_every and self.updates % self.weight_sync_every == 0:
             with self.collector_deadline():  # the collector's process acknowledges the copy
@@ -240,7 +244,7 @@ class Learner:
         torch.futures.wait_all(self.reports)
         run = self.run
         save_checkpoint(
-            run.cfg, self.frames, self.updates, self.agent, self.optimizer, replay,
+            run.cfg, self.frames, self.updates, self.agent, self.optimizers, replay,
             run.topology, run.learner_group, run.device,
         )  # fmt: skip
         self.saved_at = self.frames
@@ -289,7 +293,7 @@ def save_checkpoint(
     frames: int,
     updates: int,
     agent: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizers: dict[str, torch.optim.Optimizer],
     replay: ReplayClient | None,
     topology: Topology,
     group: Any,
@@ -311,7 +315,8 @@ def save_checkpoint(
     torch.save(checkpoint.rng_state(), partial / f"rng-{index}.pt")
     barrier(group, learners, device)
     if index == 0:
-        torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict()}, partial / "agent.pt")
+        optimizer_states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
+        torch.save({"agent": agent.state_dict(), "optimizers": optimizer_states}, partial / "agent.pt")
         shards = replay.shards if replay is not None else []
         for shard_index, shard in enumerate(shards):
             shard.rpc_sync().save(str(partial / f"replay-{shard_index}"))
