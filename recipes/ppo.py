@@ -10,6 +10,7 @@ advantage estimate and the loss.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -143,9 +144,16 @@ class Agent(nn.Module):
         was when the batch was collected (GAE runs along the batch's last, time dimension),
         and the learning rate for the updates on it."""
         self.advantage(batch)
+        # A batch trains at the rate of the frames collected before it (CleanRL's schedule):
+        # the first one at the initial rate, and each step of the scheduler comes after the
+        # optimizer's steps on the batch before.
+        if self.lr_schedule is not None and self.frames_seen > 0:
+            with warnings.catch_warnings():
+                # torch warns when a resumed run's scheduler steps before its fresh optimizer
+                # has: that would skip a value of a schedule by step count, not of this one.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.lr_schedule.step()
         self.frames_seen += frames
-        if self.lr_schedule is not None:
-            self.lr_schedule.step()
 
     def after_update(self, update: int) -> None:
         """Nothing to do: PPO has no target network."""
