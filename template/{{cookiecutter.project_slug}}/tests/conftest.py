@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -60,6 +61,11 @@ def tiny_overrides(recipe: str) -> list[str]:
 
 
 _HANDED_OUT: set[int] = set()
+# Ports below the kernel's ephemeral range: a port the kernel hands out to connections (the
+# ranks' own connections to the launcher's store, say) could be taken between the check
+# here and the run binding it.
+_EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+_PORTS = random.Random(os.getpid())
 
 
 def free_port() -> int:
@@ -67,9 +73,7 @@ def free_port() -> int:
     given `rpc.port=P` also listens on P + 1 (the watchdog), and `--main-port P` puts RPC
     and the watchdog on P + 1 and P + 2."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = _PORTS.randrange(_EPHEMERAL_LOW // 2, _EPHEMERAL_LOW - 3)
         block = {port, port + 1, port + 2}
         if block & _HANDED_OUT or not all(_bindable(p) for p in block):
             continue
