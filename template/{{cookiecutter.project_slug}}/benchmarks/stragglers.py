@@ -1,0 +1,218 @@
+"""Stragglers benchmark: DD-PPO's preemption threshold against lockstep collection.
+
+    python benchmarks/stragglers.py                        # frames/s, collector.sync_frac=1 vs 0.6
+    python benchmarks/stragglers.py --seeds 1 2 3          # also: learning with the threshold
+    python benchmarks/stragglers.py --frames 20000 algo.epochs=10
+
+An on-policy recipe (PPO) on CartPole-v1 with 3 learners (``fabric run``, CPU), one of which
+(rank ``--slow-rank``) has environments ``--slowdown`` times slower than the others:
+the first run collects in lockstep (``collector.sync_frac=1``), the second with the
+threshold (``--sync-frac``); both report frames/s from their summary.json. With
+``--seeds``, each seed then trains with the threshold and the straggler for
+``--learning-frames`` frames and reports whether its greedy evaluation reached ``--target``.
+
+The straggler is this module's business, not the product's: importing it registers
+``StragglerCartPole-v1``, CartPole with a wrapper that sleeps after each step when the
+process's ``RANK`` is ``STRAGGLER_RANK``, for ``STRAGGLER_DELAY_S`` seconds. train.py
+reaches it through gymnasium's ``module:EnvId`` form of ``env.id``. The delay is
+calibrated here first: (slowdown - 1) times the time per frame of the project's collector
+with this recipe's policy, one torch thread, in this process. Ranks that share the cores
+run slower than that, so the straggler is slowed by somewhat less than ``--slowdown``.
+Prints a table and, last, a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import torch
+
+PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT))
+
+from {{ cookiecutter.package_name }} import config, recipes  # noqa: E402
+from {{ cookiecutter.package_name }}.collector import make_collector, make_env  # noqa: E402
+
+ENV_ID = "benchmarks.stragglers:StragglerCartPole-v1"
+TARGET = 475.0
+
+
+class Straggler(gym.Wrapper):
+    """Sleeps ``STRAGGLER_DELAY_S`` per step on rank ``STRAGGLER_RANK`` (on no rank unless set).
+
+    The delay is owed per step and slept in slices of at least a millisecond: a sleep of a
+    few tens of microseconds oversleeps by more than itself.
+    """
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        slow = os.environ.get("RANK", "0") == os.environ.get("STRAGGLER_RANK")
+        self.delay = float(os.environ.get("STRAGGLER_DELAY_S", "0")) if slow else 0.0
+        self.owed = 0.0
+
+    def step(self, action):
+        self.owed += self.delay
+        if self.owed >= 1e-3:
+            started = time.perf_counter()
+            time.sleep(self.owed)
+            self.owed -= time.perf_counter() - started
+        return self.env.step(action)
+
+
+def make_straggler(**kwargs) -> gym.Env:
+    return Straggler(gym.make("CartPole-v1", **kwargs))
+
+
+if "StragglerCartPole-v1" not in gym.registry:
+    gym.register("StragglerCartPole-v1", entry_point=make_straggler)
+
+
+def seconds_per_frame(recipe: str, overrides: list[str]) -> float:
+    """The project's collector with the recipe's policy: seconds per frame, one thread."""
+    cfg = config.load([f"recipe={recipe}", "env.id=CartPole-v1", *overrides], PROJECT / "config.yaml")
+    torch.set_num_threads(1)
+    module = recipes.load(recipe)
+    env = make_env(cfg.env.id, cfg.env.num_envs, seed=0)
+    agent = module.Agent(module.Config(**cfg.algo), env)
+    env.close()
+    collector = make_collector(cfg, agent.policy, seed=0, total_frames=-1, device=torch.device("cpu"))
+    batches = iter(collector)
+    next(batches)  # warm-up
+    frames, started = 0, time.perf_counter()
+    while frames < 8192:
+        frames += next(batches).numel()
+    elapsed = time.perf_counter() - started
+    collector.shutdown()
+    return elapsed / frames
+
+
+def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], delay_s: float) -> dict:
+    run_dir = PROJECT / "runs" / "benchmarks" / f"stragglers-{name}"
+    fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
+    command = [
+        fabric,
+        "run",
+        "--accelerator",
+        "cpu",
+        "--strategy",
+        "ddp",
+        "--devices",
+        "3",
+        "train.py",
+        f"recipe={args.recipe}",
+        f"env.id={ENV_ID}",
+        f"seed={seed}",
+        f"run_dir={run_dir}",
+        *overrides,
+        *args.overrides,
+    ]
+    environment = {
+        **os.environ,
+        "STRAGGLER_RANK": str(args.slow_rank),
+        "STRAGGLER_DELAY_S": str(delay_s),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])),
+    }
+    result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, env=environment)
+    if result.returncode != 0:
+        sys.exit(f"error: {' '.join(command[1:])} failed:\n{result.stderr[-2000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def rollouts(summary: dict) -> dict:
+    return {rank: {k: round(v, 3) for k, v in row.items()} for rank, row in summary["learner_rollouts"].items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    on_policy = [name for name in recipes.available() if not recipes.load(name).Agent.uses_replay]
+    if not on_policy:
+        sys.exit("error: this project has no on-policy recipe")
+    parser.add_argument("--recipe", default=on_policy[0], choices=on_policy)
+    parser.add_argument("--frames", type=int, default=30_000, help="frames of each throughput run")
+    parser.add_argument("--slowdown", type=float, default=4.0)
+    parser.add_argument("--slow-rank", type=int, default=2)
+    parser.add_argument("--sync-frac", type=float, default=0.6)
+    parser.add_argument("--seeds", type=int, nargs="*", default=[], help="learning runs with the threshold")
+    parser.add_argument("--learning-frames", type=int, default=200_000)
+    parser.add_argument("--target", type=float, default=TARGET)
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
+    args = parser.parse_args()
+
+    per_frame = seconds_per_frame(args.recipe, args.overrides)
+    delay_s = (args.slowdown - 1) * per_frame
+    print(f"collector alone: {1 / per_frame:.0f} frames/s; the straggler sleeps {delay_s * 1e6:.0f} us per frame")
+    throughput = {}
+    short = [f"total_frames={args.frames}", "eval.every=0", "eval.episodes=2"]
+    print(f"{'sync_frac':>9} {'frames/s':>9} {'frames':>7} {'updates':>7}  rollouts cut / mean fraction, per rank")
+    for sync_frac in (1.0, args.sync_frac):
+        summary = train(args, f"sync{sync_frac:g}", 1, [*short, f"collector.sync_frac={sync_frac}"], delay_s)
+        throughput[f"sync_frac={sync_frac:g}"] = {
+            "frames_per_s": round(summary["frames_per_s"], 1),
+            "frames": summary["frames_collected"],
+            "updates": summary["updates"],
+            "train_s": round(summary["train_s"], 1),
+            "rollouts": rollouts(summary),
+        }
+        cuts = ", ".join(
+            f"{rank}: {row['cut']}/{row['rollouts']} {row['mean_fraction']:.2f}"
+            for rank, row in summary["learner_rollouts"].items()
+        )
+        print(
+            f"{sync_frac:>9g} {summary['frames_per_s']:>9.0f} {summary['frames_collected']:>7} "
+            f"{summary['updates']:>7}  {cuts}",
+            flush=True,
+        )
+    baseline, threshold = (row["frames_per_s"] for row in throughput.values())
+    print(f"speed-up with the threshold: {threshold / baseline:.2f}x")
+
+    learning = []
+    for seed in args.seeds:
+        overrides = [f"total_frames={args.learning_frames}", f"eval.every={args.learning_frames // 20}"]
+        summary = train(args, f"learning-seed{seed}", seed, [*overrides, f"collector.sync_frac={args.sync_frac}"], delay_s)
+        reached = next((row for row in summary["eval_history"] if row["eval_return"] >= args.target), None)
+        learning.append(
+            {
+                "seed": seed,
+                "reached": reached is not None,
+                "frames_to_target": reached["frames"] if reached else None,
+                "final_eval_return": summary["eval_return"],
+                "frames": summary["frames_collected"],
+                "wall_s": round(summary["wall_s"], 1),
+                "rollouts": rollouts(summary),
+            }
+        )
+        row = learning[-1]
+        print(
+            f"seed {seed}: reached {args.target:g}: {row['reached']} at {row['frames_to_target']} frames, "
+            f"final {row['final_eval_return']:.1f}, {row['wall_s']} s",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "stragglers",
+                "recipe": args.recipe,
+                "slowdown": args.slowdown,
+                "straggler_delay_us_per_frame": round(delay_s * 1e6, 1),
+                "collector_frames_per_s": round(1 / per_frame, 1),
+                "throughput": throughput,
+                "speedup": round(threshold / baseline, 3),
+                "learning": learning,
+                "all_reached": all(row["reached"] for row in learning) if learning else None,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
