@@ -34,6 +34,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import torch
+from gymnasium.envs.classic_control import CartPoleEnv
 
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
@@ -68,11 +69,12 @@ class Straggler(gym.Wrapper):
 
 
 def make_straggler(**kwargs) -> gym.Env:
-    return Straggler(gym.make("CartPole-v1", **kwargs))
+    return Straggler(CartPoleEnv(**kwargs))
 
 
 if "StragglerCartPole-v1" not in gym.registry:
-    gym.register("StragglerCartPole-v1", entry_point=make_straggler)
+    # CartPole-v1's registration, with the wrapper.
+    gym.register("StragglerCartPole-v1", make_straggler, max_episode_steps=500, reward_threshold=475.0)
 
 
 def seconds_per_frame(recipe: str, overrides: list[str]) -> float:
@@ -127,7 +129,9 @@ def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], 
 
 
 def rollouts(summary: dict) -> dict:
-    return {rank: {k: round(v, 3) for k, v in row.items()} for rank, row in summary["learner_rollouts"].items()}
+    """Per learner: frames, rollouts, how many were cut, and the mean fraction collected."""
+    rows = summary["learner_rollouts"].items()
+    return {rank: {key: round(value, 3) for key, value in row.items()} for rank, row in rows}
 
 
 def main() -> None:
@@ -150,10 +154,11 @@ def main() -> None:
 
     per_frame = seconds_per_frame(args.recipe, args.overrides)
     delay_s = (args.slowdown - 1) * per_frame
-    print(f"collector alone: {1 / per_frame:.0f} frames/s; the straggler sleeps {delay_s * 1e6:.0f} us per frame")
+    print(f"collector alone: {1 / per_frame:.0f} frames/s; straggler's delay: {delay_s * 1e6:.0f} us a frame")
     throughput = {}
     short = [f"total_frames={args.frames}", "eval.every=0", "eval.episodes=2"]
-    print(f"{'sync_frac':>9} {'frames/s':>9} {'frames':>7} {'updates':>7}  rollouts cut / mean fraction, per rank")
+    header = f"{'sync_frac':>9} {'frames/s':>9} {'frames':>7} {'updates':>7}"
+    print(f"{header}  per rank: rollouts cut / rollouts, mean fraction collected")
     for sync_frac in (1.0, args.sync_frac):
         summary = train(args, f"sync{sync_frac:g}", 1, [*short, f"collector.sync_frac={sync_frac}"], delay_s)
         throughput[f"sync_frac={sync_frac:g}"] = {
@@ -177,8 +182,12 @@ def main() -> None:
 
     learning = []
     for seed in args.seeds:
-        overrides = [f"total_frames={args.learning_frames}", f"eval.every={args.learning_frames // 20}"]
-        summary = train(args, f"learning-seed{seed}", seed, [*overrides, f"collector.sync_frac={args.sync_frac}"], delay_s)
+        overrides = [
+            f"total_frames={args.learning_frames}",
+            f"eval.every={args.learning_frames // 20}",
+            f"collector.sync_frac={args.sync_frac}",
+        ]
+        summary = train(args, f"learning-seed{seed}", seed, overrides, delay_s)
         reached = next((row for row in summary["eval_history"] if row["eval_return"] >= args.target), None)
         learning.append(
             {

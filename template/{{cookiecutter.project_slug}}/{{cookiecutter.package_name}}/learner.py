@@ -100,10 +100,10 @@ def on_policy(run: Run) -> dict[str, Any]:
         agent.after_collect(batch, learner.step_frames)
         transitions = batch.reshape(-1)
         plan = preemption.minibatches(learner.step_sizes, learner.index, algo.minibatch_size)
-        sizes, weights = zip(*plan)
+        sizes, weights = zip(*plan, strict=True)
         for _ in range(algo.epochs):
             shuffled = transitions[torch.randperm(len(transitions))]
-            for minibatch, weight in zip(shuffled.split(list(sizes)), weights):
+            for minibatch, weight in zip(shuffled.split(list(sizes)), weights, strict=True):
                 learner.update(minibatch, weight)
         learner.between_steps(None)
     return learner.finish(None)

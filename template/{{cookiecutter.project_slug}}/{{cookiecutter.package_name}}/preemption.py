@@ -125,5 +125,5 @@ def minibatches(sizes: list[int], index: int, minibatch_size: int) -> list[tuple
     learners = len(sizes)
     count = max(1, min(min(sizes), math.ceil(sum(sizes) / (learners * minibatch_size))))
     parts = [[size // count + (j < size % count) for j in range(count)] for size in sizes]
-    totals = [sum(column) for column in zip(*parts)]
-    return [(own, learners * own / total) for own, total in zip(parts[index], totals)]
+    totals = [sum(column) for column in zip(*parts, strict=True)]
+    return [(own, learners * own / total) for own, total in zip(parts[index], totals, strict=True)]

@@ -167,7 +167,9 @@ class Recorder:
             "policy_lag": sum(stats["policy_lag"] for stats in learners) / len(learners),
             # Per learner: frames collected in this process, rollouts, how many of them the
             # preemption threshold cut short, and the mean fraction of a full one collected.
-            "learner_rollouts": {str(rank): self._finished[rank]["rollouts"] for rank in self.topology.learner_ranks},
+            "learner_rollouts": {
+                str(rank): self._finished[rank]["rollouts"] for rank in self.topology.learner_ranks
+            },
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
             },
