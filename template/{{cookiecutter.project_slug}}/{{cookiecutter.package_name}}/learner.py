@@ -188,10 +188,12 @@ class Learner:
         # Training time and rates start here: the collector's start-up is set-up.
         self.started = time.monotonic()
         self.window = Window()
-        batches = iter(self.collector) if cuts is None else cuts.rollouts(iter(self.collector))
+        batches = iter(self.collector)
         while cuts is None or self.frames < planned:
             with self.collector_deadline():
-                batch = next_batch(batches, self.label)
+                # A store that stops answering in cuts.rollout is rank 0's death: the
+                # watchdog names it (next_batch would blame this learner's collector).
+                batch = next_batch(batches, self.label) if cuts is None else cuts.rollout(batches)
             if batch is None or all_agree(run.watchdog.stop, run.learner_group, run.learners, run.device):
                 return  # done, or asked to stop (SIGINT, SIGTERM): every learner leaves at this same step
             if cuts is not None:

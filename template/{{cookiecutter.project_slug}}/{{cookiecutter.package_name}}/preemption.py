@@ -23,7 +23,6 @@ end of any rollout.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -58,27 +57,26 @@ class Preemption:
         self.chunk_steps = chunk_steps(rollout_steps)
         self.full_chunks = rollout_steps // self.chunk_steps
         self.min_chunks = max(1, math.ceil(round(min_rollout_frac * self.full_chunks, 9)))
+        self.step = 0
 
-    def rollouts(self, chunks: Iterator[TensorDictBase]) -> Iterator[TensorDictBase]:
-        """Rollouts ``[num_envs, steps]`` made of the collector's ``chunks``, each full or cut.
+    def rollout(self, chunks: Iterator[TensorDictBase]) -> TensorDictBase:
+        """The next rollout ``[num_envs, steps]``, full or cut, from the collector's ``chunks``.
 
-        Every learner collects the same number of rollouts, so step ``n`` has its own key;
-        the first learner deletes step ``n - 1``'s once it starts step ``n + 1``: by then
-        every learner has passed the collective that ended step ``n``, so none reads it.
+        Every learner collects the same number of rollouts, so step ``n`` has its own key.
+        The learners run a collective after each rollout, so once the first learner starts
+        step ``n + 1`` none reads step ``n - 1``'s key any more: it deletes it.
         """
-        for step in itertools.count():
-            if self.index == 0 and step >= 2:
-                self.store.delete_key(f"{KEY}/{step - 2}")
-            key = f"{KEY}/{step}"
-            collected = []
-            for chunk in chunks:
-                collected.append(chunk)
-                if len(collected) == self.full_chunks:
-                    self.store.add(key, 1)
-                    break
-                if len(collected) >= self.min_chunks and self.store.add(key, 0) >= self.needed:
-                    break
-            yield torch.cat(collected, dim=-1)
+        step, self.step = self.step, self.step + 1
+        if self.index == 0 and step >= 2:
+            self.store.delete_key(f"{KEY}/{step - 2}")
+        key = f"{KEY}/{step}"
+        collected = [next(chunks)]
+        while len(collected) < self.full_chunks:
+            if len(collected) >= self.min_chunks and self.store.add(key, 0) >= self.needed:
+                return torch.cat(collected, dim=-1)
+            collected.append(next(chunks))
+        self.store.add(key, 1)
+        return torch.cat(collected, dim=-1)
 
 
 def chunk_steps(rollout_steps: int) -> int:
