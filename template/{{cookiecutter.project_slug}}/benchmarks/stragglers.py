@@ -2,22 +2,23 @@
 
     python benchmarks/stragglers.py                        # frames/s, collector.sync_frac=1 vs 0.6
     python benchmarks/stragglers.py --seeds 1 2 3          # also: learning with the threshold
-    python benchmarks/stragglers.py --frames 20000 algo.epochs=10
+    python benchmarks/stragglers.py --frames 20000 --step-ms 4
 
-An on-policy recipe (PPO) on CartPole-v1 with 3 learners (``fabric run``, CPU), one of which
-(rank ``--slow-rank``) has environments ``--slowdown`` times slower than the others:
-the first run collects in lockstep (``collector.sync_frac=1``), the second with the
-threshold (``--sync-frac``); both report frames/s from their summary.json. With
-``--seeds``, each seed then trains with the threshold and the straggler for
+An on-policy recipe (PPO, its defaults) on CartPole-v1 with 3 learners (``fabric run``,
+CPU), one of which (rank ``--slow-rank``) has environments ``--slowdown`` times slower
+than the others': the first run collects in lockstep (``collector.sync_frac=1``), the
+second with the threshold (``--sync-frac``); both report frames/s from their summary.json.
+With ``--seeds``, each seed then trains with the threshold and the straggler for
 ``--learning-frames`` frames and reports whether its greedy evaluation reached ``--target``.
 
-The straggler is this module's business, not the product's: importing it registers
-``StragglerCartPole-v1``, CartPole with a wrapper that sleeps after each step when the
-process's ``RANK`` is ``STRAGGLER_RANK``, for ``STRAGGLER_DELAY_S`` seconds. train.py
-reaches it through gymnasium's ``module:EnvId`` form of ``env.id``. The delay is
-calibrated here first: (slowdown - 1) times the time per frame of the project's collector
-with this recipe's policy, one torch thread, in this process. Ranks that share the cores
-run slower than that, so the straggler is slowed by somewhat less than ``--slowdown``.
+CartPole steps in microseconds, so "4 times slower" needs a simulator's cost first: every
+rank's CartPole takes ``--step-ms`` per step, the straggler's ``--slowdown`` times that.
+The cost is a sleep, so that it takes no core from the ranks sharing the machine's cores
+(a busy loop would make the ranks' speeds depend on the load instead of the slowdown).
+This is the benchmark's business, not the product's: importing this module registers
+``StragglerCartPole-v1``, CartPole with a wrapper that sleeps ``SIMULATOR_STEP_S`` per step,
+or ``STRAGGLER_STEP_S`` in the process whose ``RANK`` is ``STRAGGLER_RANK``; train.py
+reaches it through gymnasium's ``module:EnvId`` form of ``env.id``.
 Prints a table and, last, a JSON line.
 """
 
@@ -33,21 +34,19 @@ import time
 from pathlib import Path
 
 import gymnasium as gym
-import torch
 from gymnasium.envs.classic_control import CartPoleEnv
 
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from {{ cookiecutter.package_name }} import config, recipes  # noqa: E402
-from {{ cookiecutter.package_name }}.collector import make_collector, make_env  # noqa: E402
+from {{ cookiecutter.package_name }} import recipes  # noqa: E402
 
 ENV_ID = "benchmarks.stragglers:StragglerCartPole-v1"
 TARGET = 475.0
 
 
-class Straggler(gym.Wrapper):
-    """Sleeps ``STRAGGLER_DELAY_S`` per step on rank ``STRAGGLER_RANK`` (on no rank unless set).
+class Simulated(gym.Wrapper):
+    """Sleeps ``SIMULATOR_STEP_S`` per step, or ``STRAGGLER_STEP_S`` on rank ``STRAGGLER_RANK``.
 
     The delay is owed per step and slept in slices of at least a millisecond: a sleep of a
     few tens of microseconds oversleeps by more than itself.
@@ -56,7 +55,7 @@ class Straggler(gym.Wrapper):
     def __init__(self, env: gym.Env) -> None:
         super().__init__(env)
         slow = os.environ.get("RANK", "0") == os.environ.get("STRAGGLER_RANK")
-        self.delay = float(os.environ.get("STRAGGLER_DELAY_S", "0")) if slow else 0.0
+        self.delay = float(os.environ.get("STRAGGLER_STEP_S" if slow else "SIMULATOR_STEP_S", "0"))
         self.owed = 0.0
 
     def step(self, action):
@@ -68,35 +67,16 @@ class Straggler(gym.Wrapper):
         return self.env.step(action)
 
 
-def make_straggler(**kwargs) -> gym.Env:
-    return Straggler(CartPoleEnv(**kwargs))
+def make_simulated(**kwargs) -> gym.Env:
+    return Simulated(CartPoleEnv(**kwargs))
 
 
 if "StragglerCartPole-v1" not in gym.registry:
     # CartPole-v1's registration, with the wrapper.
-    gym.register("StragglerCartPole-v1", make_straggler, max_episode_steps=500, reward_threshold=475.0)
+    gym.register("StragglerCartPole-v1", make_simulated, max_episode_steps=500, reward_threshold=475.0)
 
 
-def seconds_per_frame(recipe: str, overrides: list[str]) -> float:
-    """The project's collector with the recipe's policy: seconds per frame, one thread."""
-    cfg = config.load([f"recipe={recipe}", "env.id=CartPole-v1", *overrides], PROJECT / "config.yaml")
-    torch.set_num_threads(1)
-    module = recipes.load(recipe)
-    env = make_env(cfg.env.id, cfg.env.num_envs, seed=0)
-    agent = module.Agent(module.Config(**cfg.algo), env)
-    env.close()
-    collector = make_collector(cfg, agent.policy, seed=0, total_frames=-1, device=torch.device("cpu"))
-    batches = iter(collector)
-    next(batches)  # warm-up
-    frames, started = 0, time.perf_counter()
-    while frames < 8192:
-        frames += next(batches).numel()
-    elapsed = time.perf_counter() - started
-    collector.shutdown()
-    return elapsed / frames
-
-
-def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], delay_s: float) -> dict:
+def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], step_ms: float) -> dict:
     run_dir = PROJECT / "runs" / "benchmarks" / f"stragglers-{name}"
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [
@@ -118,8 +98,9 @@ def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], 
     ]
     environment = {
         **os.environ,
+        "SIMULATOR_STEP_S": str(step_ms / 1000),
         "STRAGGLER_RANK": str(args.slow_rank),
-        "STRAGGLER_DELAY_S": str(delay_s),
+        "STRAGGLER_STEP_S": str(args.slowdown * step_ms / 1000),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")])),
     }
     result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, env=environment)
@@ -142,25 +123,27 @@ def main() -> None:
     if not on_policy:
         sys.exit("error: this project has no on-policy recipe")
     parser.add_argument("--recipe", default=on_policy[0], choices=on_policy)
-    parser.add_argument("--frames", type=int, default=30_000, help="frames of each throughput run")
-    parser.add_argument("--slowdown", type=float, default=4.0)
+    parser.add_argument("--frames", type=int, default=15_000, help="frames of each throughput run")
+    parser.add_argument("--step-ms", type=float, default=2.0, help="every rank's env step, milliseconds")
+    parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's env step / the others'")
     parser.add_argument("--slow-rank", type=int, default=2)
     parser.add_argument("--sync-frac", type=float, default=0.6)
     parser.add_argument("--seeds", type=int, nargs="*", default=[], help="learning runs with the threshold")
     parser.add_argument("--learning-frames", type=int, default=200_000)
+    parser.add_argument(
+        "--learning-step-ms", type=float, default=0.5, help="--step-ms of the learning runs (they evaluate too)"
+    )
     parser.add_argument("--target", type=float, default=TARGET)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
 
-    per_frame = seconds_per_frame(args.recipe, args.overrides)
-    delay_s = (args.slowdown - 1) * per_frame
-    print(f"collector alone: {1 / per_frame:.0f} frames/s; straggler's delay: {delay_s * 1e6:.0f} us a frame")
+    print(f"env step: {args.step_ms:g} ms, rank {args.slow_rank}'s {args.slowdown * args.step_ms:g} ms")
     throughput = {}
     short = [f"total_frames={args.frames}", "eval.every=0", "eval.episodes=2"]
     header = f"{'sync_frac':>9} {'frames/s':>9} {'frames':>7} {'updates':>7}"
     print(f"{header}  per rank: rollouts cut / rollouts, mean fraction collected")
     for sync_frac in (1.0, args.sync_frac):
-        summary = train(args, f"sync{sync_frac:g}", 1, [*short, f"collector.sync_frac={sync_frac}"], delay_s)
+        summary = train(args, f"sync{sync_frac:g}", 1, [*short, f"collector.sync_frac={sync_frac}"], args.step_ms)
         throughput[f"sync_frac={sync_frac:g}"] = {
             "frames_per_s": round(summary["frames_per_s"], 1),
             "frames": summary["frames_collected"],
@@ -187,7 +170,7 @@ def main() -> None:
             f"eval.every={args.learning_frames // 20}",
             f"collector.sync_frac={args.sync_frac}",
         ]
-        summary = train(args, f"learning-seed{seed}", seed, overrides, delay_s)
+        summary = train(args, f"learning-seed{seed}", seed, overrides, args.learning_step_ms)
         reached = next((row for row in summary["eval_history"] if row["eval_return"] >= args.target), None)
         learning.append(
             {
@@ -212,8 +195,8 @@ def main() -> None:
                 "benchmark": "stragglers",
                 "recipe": args.recipe,
                 "slowdown": args.slowdown,
-                "straggler_delay_us_per_frame": round(delay_s * 1e6, 1),
-                "collector_frames_per_s": round(1 / per_frame, 1),
+                "step_ms": args.step_ms,
+                "learning_step_ms": args.learning_step_ms,
                 "throughput": throughput,
                 "speedup": round(threshold / baseline, 3),
                 "learning": learning,

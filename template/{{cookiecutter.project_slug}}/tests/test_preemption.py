@@ -28,8 +28,8 @@ from .test_faults import finish, start
 
 ON_POLICY = [name for name in RECIPES if not recipes.load(name).Agent.uses_replay]
 needs_on_policy = pytest.mark.skipif(not ON_POLICY, reason="this project has no on-policy recipe")
-# CartPole whose steps sleep on the rank named by STRAGGLER_RANK (benchmarks/stragglers.py);
-# gymnasium imports the module named before the colon.
+# CartPole whose steps sleep STRAGGLER_STEP_S on the rank named by STRAGGLER_RANK, and no
+# time on the others (benchmarks/stragglers.py); gymnasium imports the module before the colon.
 STRAGGLER_ENV = "env.id=benchmarks.stragglers:StragglerCartPole-v1"
 SLOW_RANK = 2
 # 4 ms a frame: a 256-frame rollout takes the straggler over a second, the others a fraction.
@@ -40,7 +40,7 @@ DELAY_S = 0.004
 def straggler(monkeypatch):
     """Runs started from this test have a straggler: the ranks inherit these variables."""
     monkeypatch.setenv("STRAGGLER_RANK", str(SLOW_RANK))
-    monkeypatch.setenv("STRAGGLER_DELAY_S", str(DELAY_S))
+    monkeypatch.setenv("STRAGGLER_STEP_S", str(DELAY_S))
 
 
 def straggler_run(*overrides: str) -> list[str]:
