@@ -130,9 +130,7 @@ def main() -> None:
     parser.add_argument("--sync-frac", type=float, default=0.6)
     parser.add_argument("--seeds", type=int, nargs="*", default=[], help="learning runs with the threshold")
     parser.add_argument("--learning-frames", type=int, default=200_000)
-    parser.add_argument(
-        "--learning-step-ms", type=float, default=0.5, help="--step-ms of the learning runs (they evaluate too)"
-    )
+    parser.add_argument("--learning-step-ms", type=float, default=0.5, help="--step-ms of the learning runs")
     parser.add_argument("--target", type=float, default=TARGET)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
@@ -143,7 +141,8 @@ def main() -> None:
     header = f"{'sync_frac':>9} {'frames/s':>9} {'frames':>7} {'updates':>7}"
     print(f"{header}  per rank: rollouts cut / rollouts, mean fraction collected")
     for sync_frac in (1.0, args.sync_frac):
-        summary = train(args, f"sync{sync_frac:g}", 1, [*short, f"collector.sync_frac={sync_frac}"], args.step_ms)
+        overrides = [*short, f"collector.sync_frac={sync_frac}"]
+        summary = train(args, f"sync{sync_frac:g}", 1, overrides, args.step_ms)
         throughput[f"sync_frac={sync_frac:g}"] = {
             "frames_per_s": round(summary["frames_per_s"], 1),
             "frames": summary["frames_collected"],
