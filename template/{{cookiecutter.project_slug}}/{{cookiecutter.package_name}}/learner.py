@@ -7,9 +7,9 @@ epochs of DDP updates on minibatches of what was just collected.
 Every learner runs the same number of collector steps and the same number of updates per
 step, so the DDP all-reduces of all learners always pair up. On-policy rollouts may differ
 in length between learners (DD-PPO's preemption threshold, see preemption.py); frames are
-counted as collected. ``Learner`` holds what both
-loops share: the agent and its optimizer, the counters, and what happens between steps
-(reports, evaluations, checkpoints, a stop request).
+counted as collected. ``Learner`` holds what both loops share: the agent and its
+optimizer, the counters, and what happens between steps (reports, evaluations,
+checkpoints, a stop request).
 """
 
 from __future__ import annotations
