@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from {{ cookiecutter.package_name }} import config, recipes
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes
 from {{ cookiecutter.package_name }}.preemption import chunk_steps, minibatches
 
 from .conftest import (
@@ -124,6 +124,23 @@ def test_sync_frac_1_collects_in_lockstep_as_before(tmp_path, straggler):
     assert summary["updates"] == expected_updates(ON_POLICY[0], 3)
     assert all(row == {"frames": 1024, "rollouts": 4, "cut": 0, "mean_fraction": 1.0}
                for row in summary["learner_rollouts"].values())  # fmt: skip
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+
+
+@pytest.mark.slow
+@needs_on_policy
+def test_a_run_with_cut_rollouts_goes_on_from_its_checkpoint(tmp_path, straggler):
+    first = ["collector.sync_frac=0.6", "checkpoint.every=1024", f"run_dir={tmp_path}"]
+    read_summary(run_command(straggler_run("total_frames=1536", *first)))
+    last = checkpoint.latest(tmp_path)
+    saved = checkpoint.read_meta(last)["frames"]
+    assert 1024 <= saved < 1536 + 3 * 256
+    summary = read_summary(run_command(straggler_run("total_frames=3072", *first, f"resume={tmp_path}")))
+    assert summary["resumed_from"] == str(last)
+    # The frames counted on from the checkpoint's exact count, each learner's own this time.
+    rollouts = summary["learner_rollouts"].values()
+    assert summary["frames_collected"] == saved + sum(row["frames"] for row in rollouts) >= 3072
+    assert last_step(tmp_path) == summary["frames_collected"]
     assert len(set(summary["learner_param_checksums"].values())) == 1
 
 
