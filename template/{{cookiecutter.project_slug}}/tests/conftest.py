@@ -34,6 +34,9 @@ TINY = [
     "log_every=1024",
     "eval.every=2048",
     "eval.episodes=10",
+    # On-policy learners in lockstep: these tests count frames and updates exactly
+    # (test_preemption.py runs the threshold that cuts rollouts short).
+    "collector.sync_frac=1",
 ]
 # Tiny hyperparameters, for the recipes that have them.
 TINY_ALGO = {

@@ -145,7 +145,7 @@ class Recorder:
         """Write summary.json from the learners' final statistics and close the loggers."""
         learners = [self._finished[rank] for rank in self.topology.learner_ranks]
         eval_returns = [r for stats in learners for r in stats["eval_returns"]]
-        frames = sum(stats["frames"] for stats in learners)
+        frames = learners[0]["frames"]
         updates = learners[0]["updates"]
         train_s = max(stats["train_s"] for stats in learners)
         sampled, inserted = (sum(stats[key] for stats in learners) for key in ("sampled", "inserted"))
@@ -165,6 +165,11 @@ class Recorder:
             # learning starts), and how many updates old the collector's weights were.
             "samples_per_insert": sampled / inserted if inserted else 0.0,
             "policy_lag": sum(stats["policy_lag"] for stats in learners) / len(learners),
+            # Per learner: frames collected in this process, rollouts, how many of them the
+            # preemption threshold cut short, and the mean fraction of a full one collected.
+            "learner_rollouts": {
+                str(rank): self._finished[rank]["rollouts"] for rank in self.topology.learner_ranks
+            },
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
             },
