@@ -110,8 +110,11 @@ class Agent(nn.Module):
         loss = self.loss_module(batch)["loss"]
         return loss, {"loss": loss.detach(), "epsilon": self.exploration.eps.detach()}
 
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+    def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"adam": torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)}
+
+    def optimizers_to_step(self, update: int) -> list[str]:
+        return ["adam"]
 
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Anneal epsilon by the frames all learners collected in this step, in closed form:
@@ -122,5 +125,6 @@ class Agent(nn.Module):
         eps = self.exploration.eps
         eps.copy_((eps - decay).clamp(min=cfg.eps_end))
 
-    def after_update(self) -> None:
+    def after_update(self, update: int) -> None:
+        """HardUpdate counts the updates itself and copies every ``target_update_period``."""
         self.target_updater.step()

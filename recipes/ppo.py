@@ -10,6 +10,7 @@ advantage estimate and the loss.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -95,7 +96,7 @@ class Agent(nn.Module):
         )
         # Frames collected so far, all learners: a buffer, so checkpoints keep it.
         self.register_buffer("frames_seen", torch.zeros((), dtype=torch.long))
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_schedule: torch.optim.lr_scheduler.LambdaLR | None = None
         self.loss_module = ClipPPOLoss(
             self.actor,
             self.critic,
@@ -121,9 +122,21 @@ class Agent(nn.Module):
         }
         return loss, metrics
 
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        self.optimizer = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
-        return self.optimizer
+    def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        adam = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+        self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(adam, self.lr_factor)
+        return {"adam": adam}
+
+    def lr_factor(self, _) -> float:
+        """The fraction of ``lr_decay_frames`` still to collect: the schedule follows frames,
+        which ``frames_seen`` counts and checkpoints keep, rather than the scheduler's own
+        step count."""
+        if not self.cfg.lr_decay_frames:
+            return 1.0
+        return max(0.0, 1.0 - self.frames_seen.item() / self.cfg.lr_decay_frames)
+
+    def optimizers_to_step(self, update: int) -> list[str]:
+        return ["adam"]
 
     @torch.no_grad()
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
@@ -131,11 +144,16 @@ class Agent(nn.Module):
         was when the batch was collected (GAE runs along the batch's last, time dimension),
         and the learning rate for the updates on it."""
         self.advantage(batch)
+        # A batch trains at the rate of the frames collected before it (CleanRL's schedule):
+        # the first one at the initial rate, and each step of the scheduler comes after the
+        # optimizer's steps on the batch before.
+        if self.lr_schedule is not None and self.frames_seen > 0:
+            with warnings.catch_warnings():
+                # torch warns when a resumed run's scheduler steps before its fresh optimizer
+                # has: that would skip a value of a schedule by step count, not of this one.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.lr_schedule.step()
         self.frames_seen += frames
-        if self.cfg.lr_decay_frames and self.optimizer is not None:
-            remaining = max(0.0, 1.0 - self.frames_seen.item() / self.cfg.lr_decay_frames)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.cfg.lr * remaining
 
-    def after_update(self) -> None:
+    def after_update(self, update: int) -> None:
         """Nothing to do: PPO has no target network."""

@@ -136,11 +136,14 @@ class Agent(nn.Module):
         metrics = {key: losses[key].detach() for key in ("loss_actor", "loss_qvalue", "alpha", "entropy")}
         return loss, metrics
 
-    def make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+    def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"adam": torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)}
+
+    def optimizers_to_step(self, update: int) -> list[str]:
+        return ["adam"]
 
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Nothing to do: exploration is the actor's own noise."""
 
-    def after_update(self) -> None:
+    def after_update(self, update: int) -> None:
         self.target_updater.step()

@@ -43,7 +43,7 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     )
     agent = recipe.Agent(recipe.Config(), env)
     assert isinstance(agent, torch.nn.Module)
-    for attribute in ("policy", "make_optimizer", "after_collect", "after_update"):
+    for attribute in ("policy", "make_optimizers", "optimizers_to_step", "after_collect", "after_update"):
         assert hasattr(agent, attribute), attribute
 
     with torch.no_grad():  # as the runtime's collector
@@ -57,11 +57,12 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     assert loss.ndim == 0 and torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     if recipe.Agent.uses_replay:
         assert batch[agent.priority_key].numel() == 32
-    optimizer = agent.make_optimizer()
+    optimizers = agent.make_optimizers()
     before = [p.detach().clone() for p in agent.parameters()]
     loss.backward()
-    optimizer.step()
-    agent.after_update()
+    for name in agent.optimizers_to_step(1):
+        optimizers[name].step()
+    agent.after_update(1)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters(), strict=True))
 
 

@@ -37,6 +37,9 @@ TARGETS = {
 {%- if "sac" in recipes %}
     "sac": -200.0,
 {%- endif %}
+{%- if "td3" in recipes %}
+    "td3": -200.0,
+{%- endif %}
 }
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -33,6 +34,9 @@ TINY = [
     "log_every=1024",
     "eval.every=2048",
     "eval.episodes=10",
+    # On-policy learners in lockstep: these tests count frames and updates exactly
+    # (test_preemption.py runs the threshold that cuts rollouts short).
+    "collector.sync_frac=1",
 ]
 # Tiny hyperparameters, for the recipes that have them.
 TINY_ALGO = {
@@ -60,6 +64,11 @@ def tiny_overrides(recipe: str) -> list[str]:
 
 
 _HANDED_OUT: set[int] = set()
+# Ports below the kernel's ephemeral range: a port the kernel hands out to connections (the
+# ranks' own connections to the launcher's store, say) could be taken between the check
+# here and the run binding it.
+_EPHEMERAL_LOW = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+_PORTS = random.Random(os.getpid())
 
 
 def free_port() -> int:
@@ -67,9 +76,7 @@ def free_port() -> int:
     given `rpc.port=P` also listens on P + 1 (the watchdog), and `--main-port P` puts RPC
     and the watchdog on P + 1 and P + 2."""
     while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = _PORTS.randrange(_EPHEMERAL_LOW // 2, _EPHEMERAL_LOW - 3)
         block = {port, port + 1, port + 2}
         if block & _HANDED_OUT or not all(_bindable(p) for p in block):
             continue
@@ -152,9 +159,16 @@ def processes_of(run_dir: Path) -> dict[int, int | None]:
     return found
 
 
+def failure_report(result: subprocess.CompletedProcess) -> str:
+    """What a failed run said: the ranks' one-line reasons first (the launcher's traceback
+    that follows them would push them out of a plain tail), then the output's tails."""
+    reasons = [line for line in result.stderr.splitlines() if "stopping:" in line or "error:" in line]
+    return "\n".join([*reasons, result.stdout[-2000:], result.stderr[-2000:]])
+
+
 def read_summary(result: subprocess.CompletedProcess) -> dict:
     """The summary named by the run's last printed line."""
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("summary: "), last_line
     return json.loads(Path(last_line.removeprefix("summary: ")).read_text())

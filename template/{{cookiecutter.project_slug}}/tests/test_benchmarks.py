@@ -7,7 +7,12 @@ import sys
 
 import pytest
 
-from .conftest import free_port, run_command
+from {{ cookiecutter.package_name }} import recipes
+
+from .conftest import RECIPES, free_port, run_command, tiny_overrides
+
+# Settings the stragglers benchmark chooses itself.
+IGNORED = {"recipe", "total_frames", "eval.every", "collector.sync_frac"}
 
 
 def test_collection_benchmark_prints_a_table_and_a_json_line():
@@ -67,3 +72,19 @@ def test_resume_benchmark_compares_one_run_with_a_resumed_one(tiny):
     assert seed["one_run"]["frames"] == seed["resumed"]["frames"] == 2048
     # The resumed run also keeps the final evaluation of its first leg, at 1024 frames.
     assert set(seed["resumed_curve"]) == set(seed["one_run_curve"]) | {"1024"}
+
+
+@pytest.mark.slow
+def test_stragglers_benchmark_compares_lockstep_with_the_threshold():
+    on_policy = [name for name in RECIPES if not recipes.load(name).Agent.uses_replay]
+    if not on_policy:
+        pytest.skip("this project has no on-policy recipe")
+    overrides = [item for item in tiny_overrides(on_policy[0]) if item.split("=")[0] not in IGNORED]
+    command = [sys.executable, "benchmarks/stragglers.py", "--frames", "1536", "--step-ms", "1", *overrides]
+    result = run_command(command)
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["benchmark"] == "stragglers"
+    lockstep, threshold = figures["throughput"]["sync_frac=1"], figures["throughput"]["sync_frac=0.6"]
+    assert lockstep["frames"] == 1536 and lockstep["rollouts"]["2"]["cut"] == 0
+    assert threshold["frames"] >= 1536 and threshold["rollouts"]["2"]["cut"] > 0

@@ -44,14 +44,14 @@ class OneLearner:
         recipe = recipes.load(REPLAY_RECIPE)
         env = make_env(self.cfg.env.id, 2, seed=0)
         self.agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(self.cfg.algo)), env)
-        self.optimizer = self.agent.make_optimizer()
+        self.optimizers = self.agent.make_optimizers()
         self.shard = ReplayShard(100, 0.6, 0.4, self.agent.priority_key)
         self.shard.extend(env.rollout(8).reshape(-1).select(*self.agent.batch_keys))
         self.replay = ReplayClient([LocalRef(self.shard)], batch_size=4, beta=0.4)
 
     def save(self, frames: int) -> None:
         plan = Topology.plan(1, 0, 1, uses_replay=True)
-        args = (self.agent, self.optimizer, self.replay, plan, None, torch.device("cpu"))
+        args = (self.agent, self.optimizers, self.replay, plan, None, torch.device("cpu"))
         learner.save_checkpoint(self.cfg, frames, frames // 10, *args)
 
 
@@ -90,7 +90,13 @@ def trained_one_step(one: OneLearner) -> None:
     batch, _, _ = one.shard.sample(4)
     loss, _ = one.agent(batch.to(next(one.agent.parameters()).device))
     loss.backward()
-    one.optimizer.step()
+    for optimizer in one.optimizers.values():
+        optimizer.step()
+
+
+def optimizer_states(one: OneLearner) -> list[dict]:
+    """Each parameter's state in each of the learner's optimizers."""
+    return [state for optimizer in one.optimizers.values() for state in optimizer.state.values()]
 
 
 def restored(tmp_path, device: torch.device) -> OneLearner:
@@ -100,15 +106,15 @@ def restored(tmp_path, device: torch.device) -> OneLearner:
     one.save(1000)
     again = OneLearner(tmp_path / "again")
     again.agent.to(device)
-    again.optimizer = again.agent.make_optimizer()
-    checkpoint.restore_learner(checkpoint.latest(tmp_path / "run"), 0, again.agent, again.optimizer, device)
+    again.optimizers = again.agent.make_optimizers()
+    checkpoint.restore_learner(checkpoint.latest(tmp_path / "run"), 0, again.agent, again.optimizers, device)
     return again
 
 
 @needs_replay
 def test_resume_puts_the_optimizer_state_where_torch_expects_it(tmp_path):
     again = restored(tmp_path, torch.device("cpu"))
-    for state in again.optimizer.state.values():
+    for state in optimizer_states(again):
         if "step" in state:  # Adam keeps its step count on the CPU unless `capturable`
             assert state["step"].device.type == "cpu"
     trained_one_step(again)
@@ -124,7 +130,7 @@ def test_resume_onto_a_gpu_keeps_adams_step_on_the_cpu_and_restores_the_gpus_gen
     torch.cuda.manual_seed(123)
     again = restored(tmp_path, device)  # saved the GPU generator's state before drawing
     assert torch.equal(torch.rand(4, device=device), expected)
-    for state in again.optimizer.state.values():
+    for state in optimizer_states(again):
         for key, value in state.items():
             if torch.is_tensor(value):
                 assert value.device.type == ("cpu" if key == "step" else "cuda"), key

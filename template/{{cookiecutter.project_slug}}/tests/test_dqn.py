@@ -27,7 +27,7 @@ def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
 
     probe = frames[:4].select("observation")  # one row per env copy, as the policy expects
     before = agent.policy(probe.clone())["action_value"].detach()
-    optimizer = agent.make_optimizer()
+    (optimizer,) = agent.make_optimizers().values()
     loss.backward()
     optimizer.step()
     after = agent.policy(probe.clone())["action_value"].detach()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from {{ cookiecutter.package_name }}.collector import make_env
@@ -52,7 +53,7 @@ def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
     probe = minibatch[:4].select("observation")
     before = agent.policy(probe.clone())["logits"].detach()
     critic_before = agent.critic(probe.clone())["state_value"].detach()
-    optimizer = agent.make_optimizer()
+    (optimizer,) = agent.make_optimizers().values()
     loss.backward()
     optimizer.step()
     assert not torch.allclose(before, agent.policy(probe.clone())["logits"].detach())
@@ -77,3 +78,30 @@ def test_the_objective_is_the_clipped_surrogate():
     assert ((ratio < 1 - epsilon) | (ratio > 1 + epsilon)).sum() >= 16
     clipped = torch.min(ratio * advantage, ratio.clamp(1 - epsilon, 1 + epsilon) * advantage)
     torch.testing.assert_close(objective.detach(), -clipped.mean(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_learning_rate_falls_with_the_frames_collected_and_a_restored_agent_goes_on_from_there():
+    env = make_env("CartPole-v1", num_envs=4, seed=0)
+    config = ppo.Config(hidden_sizes=[16], lr=1e-3, lr_decay_frames=1000)
+    agent = ppo.Agent(config, env)
+    (adam,) = agent.make_optimizers().values()
+    batch = collect_one_batch(env, agent.policy, 160)
+    rates = []
+    for _ in range(2):
+        agent.after_collect(batch, frames=250)  # e.g. 2 learners' frames
+        rates.append(adam.param_groups[0]["lr"])
+        adam.step()
+    # Each batch trains at the rate of the frames collected before it.
+    assert rates == pytest.approx([1e-3, 0.75e-3])
+
+    # As a resume does: a fresh agent and optimizer, then the saved states.
+    again = ppo.Agent(config, env)
+    optimizers = again.make_optimizers()
+    again.load_state_dict(agent.state_dict())
+    optimizers["adam"].load_state_dict(adam.state_dict())
+    rates = []
+    for _ in range(3):
+        again.after_collect(batch, frames=250)
+        rates.append(optimizers["adam"].param_groups[0]["lr"])
+        optimizers["adam"].step()
+    assert rates == pytest.approx([0.5e-3, 0.25e-3, 0.0])

@@ -42,7 +42,7 @@ def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities()
     probe = frames[:4].select("observation")
     before_policy = agent.policy(probe.clone())["loc"].detach()
     before = {name: value.detach().clone() for name, value in parameters.items()}
-    optimizer = agent.make_optimizer()
+    (optimizer,) = agent.make_optimizers().values()
     loss.backward()
     optimizer.step()
     changed = {name for name, value in parameters.items() if not torch.equal(value, before[name])}
@@ -60,12 +60,12 @@ def test_target_critics_follow_the_critics_by_polyak_averaging():
     critics = agent.loss_module.qvalue_network_params
     targets = agent.loss_module.target_qvalue_network_params
     torch.testing.assert_close(targets.data, critics.data)  # they start equal
-    optimizer = agent.make_optimizer()
+    (optimizer,) = agent.make_optimizers().values()
     loss, _ = agent(batch)
     loss.backward()
     optimizer.step()
     old_targets = targets.data.clone()
-    agent.after_update()
+    agent.after_update(1)
     tau = agent.cfg.tau
     expected = old_targets.apply(lambda old, new: (1 - tau) * old + tau * new, critics.data)
     torch.testing.assert_close(targets.data, expected)

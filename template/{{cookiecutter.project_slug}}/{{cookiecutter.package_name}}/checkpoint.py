@@ -6,11 +6,11 @@ be rebuilt without the run's config file.
 
 ``checkpoints/frames-<N>/`` (every ``checkpoint.every`` frames) holds everything a run
 needs to go on from frame N (``resume=``): ``meta.json`` (recipe, env, layout, counters),
-``agent.pt`` (weights with their target networks, optimizer state), ``rng-<i>.pt`` (each
-learner's random generators, its GPU's included) and ``replay-<i>/`` (each replay shard's
-contents and priorities; left out with ``checkpoint.replay=false``, for buffers too large
-to copy each time). It is written under a temporary name and renamed when complete, so a
-crash while writing leaves the previous checkpoint as it was.
+``agent.pt`` (weights with their target networks, the optimizers' states), ``rng-<i>.pt``
+(each learner's random generators, its GPU's included) and ``replay-<i>/`` (each replay
+shard's contents and priorities; left out with ``checkpoint.replay=false``, for buffers
+too large to copy each time). It is written under a temporary name and renamed when
+complete, so a crash while writing leaves the previous checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -171,18 +171,23 @@ def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> d
 
 
 def restore_learner(
-    folder: Path, index: int, agent: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    folder: Path,
+    index: int,
+    agent: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    device: torch.device,
 ) -> None:
     """Put learner ``index`` back as it was when ``folder`` was written.
 
     Everything is read onto the CPU: ``load_state_dict`` copies the weights onto the agent's
-    device, and the optimizer moves its state next to each parameter, all but what torch
+    device, and each optimizer moves its state next to each parameter, all but what torch
     keeps on the CPU on purpose (Adam's ``step`` unless ``capturable``), which a load
     straight onto the GPU would put there.
     """
     state = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)
     agent.load_state_dict(state["agent"])
-    optimizer.load_state_dict(state["optimizer"])
+    for name, optimizer in optimizers.items():
+        optimizer.load_state_dict(state["optimizers"][name])
     # The run's own file, written by rng_state: numpy's state is not a tensor.
     set_rng_state(torch.load(folder / f"rng-{index}.pt", weights_only=False))
 

@@ -62,17 +62,23 @@ def as_torchrl(gym_env: gym.Env, seed: int, device: torch.device | str = "cpu") 
 
 
 def make_collector(
-    cfg: DictConfig, policy: TensorDictModuleBase, seed: int, total_frames: int, device: torch.device
+    cfg: DictConfig,
+    policy: TensorDictModuleBase,
+    seed: int,
+    total_frames: int,
+    device: torch.device,
+    frames_per_batch: int | None = None,
 ) -> Collector | CollectorProcess:
     """The collector of ``cfg.collector.mode`` for one learner: batches of
-    ``collector.frames_per_batch`` frames shaped ``[num_envs, steps]`` (time last), on the CPU.
+    ``frames_per_batch`` frames (by default ``collector.frames_per_batch``) shaped
+    ``[num_envs, steps]`` (time last), on the CPU; ``total_frames=-1``: endless.
 
     Settings measured for speed (benchmarks/collection.py): no trajectory ids (nothing
     reads them), and no policy transforms registered behind the recipe's back.
     """
     make = functools.partial(make_env, cfg.env.id, cfg.env.num_envs, seed)
     settings = {
-        "frames_per_batch": cfg.collector.frames_per_batch,
+        "frames_per_batch": frames_per_batch or cfg.collector.frames_per_batch,
         "total_frames": total_frames,
         "storing_device": "cpu",
         "env_device": "cpu",

@@ -8,6 +8,7 @@ frames per batch, total frames) sit under config.yaml, so either can override th
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class CollectorConfig:
     mode: str = MISSING
     weight_sync_every: int = MISSING
     timeout: float = MISSING
+    sync_frac: float = MISSING
+    min_rollout_frac: float = MISSING
 
 
 @dataclass
@@ -170,6 +173,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("collector.weight_sync_every", "collector.timeout"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    for key in ("collector.sync_frac", "collector.min_rollout_frac"):
+        if not 0 < OmegaConf.select(cfg, key) <= 1:
+            raise ConfigError(f"{key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
     if cfg.replay.ranks < 0:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
     if cfg.checkpoint.every < 0:
@@ -196,8 +202,20 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"loggers: {tracker} is not installed (pip install -e '.[{tracker}]')")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
-    if cfg.env.id not in gym.registry:
+    if not registered(cfg.env.id):
         raise ConfigError(f"unknown env id '{cfg.env.id}' (not registered with gymnasium)")
+
+
+def registered(env_id: str) -> bool:
+    """Whether gymnasium knows ``env_id``. Its ``module:EnvId`` form names a module to import
+    first, which registers the environment (as ``gym.make`` does with it)."""
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise ConfigError(f"env.id '{env_id}': cannot import module '{module}' ({error})") from None
+    return name in gym.registry
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:

@@ -31,7 +31,8 @@ def evaluate(
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
     )
     env = as_torchrl(vector_env, seed, device)
-    max_steps = gym.spec(env_id).max_episode_steps or MAX_EPISODE_STEPS
+    # The spec gymnasium made the env from: gym.spec() refuses the ``module:EnvId`` form.
+    max_steps = vector_env.spec.max_episode_steps or MAX_EPISODE_STEPS
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
             rollout = env.rollout(max_steps, policy, break_when_any_done=False, break_when_all_done=True)
@@ -61,7 +62,7 @@ def record(policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, 
         disable_logger=True,
     )
     env = as_torchrl(recorder, seed)
-    max_steps = gym.spec(env_id).max_episode_steps or MAX_EPISODE_STEPS
+    max_steps = recorder.spec.max_episode_steps or MAX_EPISODE_STEPS
     returns = []
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):

@@ -5,9 +5,11 @@ update with DDP, send priorities back. ``on_policy`` (PPO): collect a batch, the
 epochs of DDP updates on minibatches of what was just collected.
 
 Every learner runs the same number of collector steps and the same number of updates per
-step, so the DDP all-reduces of all learners always pair up. ``Learner`` holds what both
-loops share: the agent and its optimizer, the counters, and what happens between steps
-(reports, evaluations, checkpoints, a stop request).
+step, so the DDP all-reduces of all learners always pair up. On-policy rollouts may differ
+in length between learners (DD-PPO's preemption threshold, see preemption.py); frames are
+counted as collected. ``Learner`` holds what both loops share: the agent and its
+optimizer, the counters, and what happens between steps (reports, evaluations,
+checkpoints, a stop request).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint
+from . import checkpoint, preemption
 from .collector import POLICY_VERSION, make_collector, make_env, next_batch
 from .config import ASYNC
 from .evaluation import evaluate
@@ -72,7 +74,7 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
     if run.resumed and not run.resumed["replay"]:
         learning_starts += learner.frames  # the checkpoint left replay out: refill it first
     for batch in learner.batches():
-        agent.after_collect(batch, learner.frames_per_step)
+        agent.after_collect(batch, learner.step_frames)
         replay.extend(batch.select(*agent.batch_keys))  # [env copies, steps]: stacked frames go once
         learner.inserted += batch.numel()
         if learner.frames >= learning_starts:
@@ -88,18 +90,24 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
 
 
 def on_policy(run: Run) -> dict[str, Any]:
-    """Train an on-policy recipe (DD-PPO) until ``total_frames`` or a stop request."""
+    """Train an on-policy recipe (DD-PPO) until ``total_frames`` or a stop request.
+
+    The learners' rollouts may differ in length (a straggler's is cut short): each learner
+    computes its advantages on its own rollout, and all run the same number of minibatches,
+    each learner's loss weighted by its share of the frames (``preemption.minibatches``).
+    """
     learner = Learner(run)
     agent, algo = learner.agent, learner.algo
     for batch in learner.batches():
         batch = batch.to(run.device)
-        agent.after_collect(batch, learner.frames_per_step)
-        # Every learner collected the same number of frames, so all run the same number
-        # of minibatches and their all-reduces pair up.
+        agent.after_collect(batch, learner.step_frames)
         transitions = batch.reshape(-1)
+        plan = preemption.minibatches(learner.step_sizes, learner.index, algo.minibatch_size)
+        sizes, weights = zip(*plan, strict=True)
         for _ in range(algo.epochs):
-            for minibatch in transitions[torch.randperm(len(transitions))].split(algo.minibatch_size):
-                learner.update(minibatch)
+            shuffled = transitions[torch.randperm(len(transitions))]
+            for minibatch, weight in zip(shuffled.split(list(sizes)), weights, strict=True):
+                learner.update(minibatch, weight)
         learner.between_steps(None)
     return learner.finish(None)
 
@@ -115,6 +123,20 @@ class Learner:
         self.max_norm = getattr(self.algo, "max_grad_norm", None)
         self.frames, self.updates = (run.resumed["frames"], run.resumed["updates"]) if run.resumed else (0, 0)
         self.frames_per_step = cfg.collector.frames_per_batch * run.learners
+        # This step's frames, all learners, and each learner's: less than planned when the
+        # preemption threshold cut a rollout short.
+        self.step_frames = self.frames_per_step
+        self.step_sizes = [cfg.collector.frames_per_batch] * run.learners
+        threshold = preemption.threshold(cfg, run.learners, run.recipe.Agent.uses_replay)
+        self.preemption = None
+        if threshold is not None:
+            steps = cfg.collector.frames_per_batch // cfg.env.num_envs
+            self.preemption = preemption.Preemption(
+                run.watchdog.store, run.topology.learner_index, run.learners, steps, *threshold
+            )
+        # This learner's rollouts in this process: their frames, how many, how many cut,
+        # and the sum of the fractions of a full rollout they collected.
+        self.collected, self.rollouts, self.rollouts_cut, self.rollout_fractions = 0, 0, 0, 0.0
         # Transitions this learner inserted into replay and sampled from it.
         self.inserted, self.sampled = 0, 0
         # The same seed on every learner gives identical initial weights (DDP also
@@ -123,10 +145,10 @@ class Learner:
         spec_env = make_env(cfg.env.id, cfg.env.num_envs, seed=0)  # what the agent's layers are sized by
         self.agent = run.recipe.Agent(self.algo, spec_env).to(run.device)
         spec_env.close()
-        self.optimizer = self.agent.make_optimizer()
+        self.optimizers = self.agent.make_optimizers()
         if run.resumed:
             checkpoint.restore_learner(
-                Path(run.resumed["folder"]), self.index, self.agent, self.optimizer, run.device
+                Path(run.resumed["folder"]), self.index, self.agent, self.optimizers, run.device
             )
         self.model = self.agent
         if run.learners > 1:
@@ -153,33 +175,52 @@ class Learner:
         stop; counts frames and records finished episodes. A collector that produces no
         batch for ``collector.timeout`` seconds stops the run."""
         cfg, run = self.run.cfg, self.run
+        planned = planned_frames(cfg, run.learners)
         # This learner's share of the frames still to collect.
-        frames = (planned_frames(cfg, run.learners) - self.frames) // run.learners
+        frames = (planned - self.frames) // run.learners
         # A resumed run starts new episodes: environments cannot be saved mid-episode.
         seed = cfg.seed + 1000 * self.index + self.frames
+        cuts = self.preemption
         # Starting an async collector's process imports torch anew: allow it more time.
         with self.collector_deadline(startup=True):
-            self.collector = make_collector(cfg, self.agent.policy, seed, frames, run.device)
+            if cuts is None:
+                self.collector = make_collector(cfg, self.agent.policy, seed, frames, run.device)
+            else:  # rollouts of any length: the loop below counts the frames
+                chunk = cuts.chunk_steps * cfg.env.num_envs
+                self.collector = make_collector(cfg, self.agent.policy, seed, -1, run.device, chunk)
         # Training time and rates start here: the collector's start-up is set-up.
         self.started = time.monotonic()
         self.window = Window()
         batches = iter(self.collector)
-        while True:
+        while cuts is None or self.frames < planned:
             with self.collector_deadline():
-                batch = next_batch(batches, self.label)
+                # A store that stops answering in cuts.rollout is rank 0's death: the
+                # watchdog names it (next_batch would blame this learner's collector).
+                batch = next_batch(batches, self.label) if cuts is None else cuts.rollout(batches)
             if batch is None or all_agree(run.watchdog.stop, run.learner_group, run.learners, run.device):
                 return  # done, or asked to stop (SIGINT, SIGTERM): every learner leaves at this same step
-            self.frames += self.frames_per_step
+            if cuts is not None:
+                self.step_sizes = preemption.sizes_of_all(
+                    batch.numel(), self.index, run.learners, run.learner_group, run.device
+                )
+                self.step_frames = sum(self.step_sizes)
+            self.frames += self.step_frames
+            fraction = batch.numel() / cfg.collector.frames_per_batch
+            self.collected += batch.numel()
+            self.rollouts += 1
+            self.rollouts_cut += fraction < 1
+            self.rollout_fractions += fraction
             self.window.add_episodes(batch)
             if POLICY_VERSION in batch.keys():
                 versions = batch[POLICY_VERSION].flatten()
                 self.lags.append(self.updates - float(torch.tensor(self.pushed_at)[versions].float().mean()))
             yield batch
 
-    def update(self, batch: TensorDictBase) -> torch.Tensor | None:
+    def update(self, batch: TensorDictBase, weight: float = 1.0) -> torch.Tensor | None:
         """One gradient step; with DDP, ``backward`` all-reduces the gradients over the
-        learners. Returns the new priorities on the CPU (replay recipes: the loss wrote them
-        into ``batch``), or None.
+        learners. ``weight`` scales this learner's loss in that average (on-policy
+        minibatches of different sizes, see ``preemption.minibatches``). Returns the new
+        priorities on the CPU (replay recipes: the loss wrote them into ``batch``), or None.
 
         The loss and the priorities come to the CPU in one copy: on a GPU each copy waits
         for the work queued before it, so this is the update's one synchronisation.
@@ -197,13 +238,17 @@ class Learner:
             raise NonFinite(f"non-finite loss ({checked[0].item()}) at {self.where()}")
         if not torch.isfinite(checked[1:]).all():
             raise NonFinite(f"non-finite priorities at {self.where()}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for optimizer in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        (loss * weight).backward()
         if self.max_norm is not None:
             # After backward, DDP has all-reduced the gradients: every learner clips the same.
             torch.nn.utils.clip_grad_norm_(self.agent.parameters(), self.max_norm)
-        self.optimizer.step()
-        self.agent.after_update()
+        # All gradients were all-reduced, so the learners' all-reduces pair up; the recipe
+        # says which optimizers use theirs at this update (TD3 moves its actor every other).
+        for name in agent.optimizers_to_step(self.updates):
+            self.optimizers[name].step()
+        agent.after_update(self.updates)
         self.window.add_metrics(metrics)
         if self.weight_sync_every and self.updates % self.weight_sync_every == 0:
             with self.collector_deadline():  # the collector's process acknowledges the copy
@@ -223,12 +268,12 @@ class Learner:
     def between_steps(self, replay: ReplayClient | None) -> None:
         """Report metrics, evaluate and write a checkpoint when their frame comes."""
         cfg, recorder = self.run.cfg, self.run.recorder
-        if crossed(self.frames, self.frames_per_step, cfg.log_every):
+        if crossed(self.frames, self.step_frames, cfg.log_every):
             self.reports.append(recorder.rpc_async().report(self.frames, self.window.flush()))
-        if crossed(self.frames, self.frames_per_step, cfg.eval.every):
+        if crossed(self.frames, self.step_frames, cfg.eval.every):
             returns = self.greedy_returns()
             self.reports.append(recorder.rpc_async().report(self.frames, {"eval_return": mean(returns)}))
-        if crossed(self.frames, self.frames_per_step, cfg.checkpoint.every):
+        if crossed(self.frames, self.step_frames, cfg.checkpoint.every):
             self.save_checkpoint(replay)
 
     def greedy_returns(self) -> list[float]:
@@ -243,7 +288,7 @@ class Learner:
         torch.futures.wait_all(self.reports)
         run = self.run
         save_checkpoint(
-            run.cfg, self.frames, self.updates, self.agent, self.optimizer, replay,
+            run.cfg, self.frames, self.updates, self.agent, self.optimizers, replay,
             run.topology, run.learner_group, run.device,
         )  # fmt: skip
         self.saved_at = self.frames
@@ -263,7 +308,13 @@ class Learner:
         for report in self.reports:
             report.wait()
         stats = {
-            "frames": self.frames // self.run.learners,
+            "frames": self.frames,  # all learners: the same on every one
+            "rollouts": {
+                "frames": self.collected,
+                "rollouts": self.rollouts,
+                "cut": self.rollouts_cut,
+                "mean_fraction": self.rollout_fractions / self.rollouts if self.rollouts else 1.0,
+            },
             "stopped_by": stop.signal,
             "updates": self.updates,
             "train_s": train_s,
@@ -292,7 +343,7 @@ def save_checkpoint(
     frames: int,
     updates: int,
     agent: Any,
-    optimizer: torch.optim.Optimizer,
+    optimizers: dict[str, torch.optim.Optimizer],
     replay: ReplayClient | None,
     topology: Topology,
     group: Any,
@@ -314,7 +365,8 @@ def save_checkpoint(
     torch.save(checkpoint.rng_state(), partial / f"rng-{index}.pt")
     barrier(group, learners, device)
     if index == 0:
-        torch.save({"agent": agent.state_dict(), "optimizer": optimizer.state_dict()}, partial / "agent.pt")
+        optimizer_states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
+        torch.save({"agent": agent.state_dict(), "optimizers": optimizer_states}, partial / "agent.pt")
         shards = replay.shards if replay is not None else []
         if cfg.checkpoint.replay:
             for shard_index, shard in enumerate(shards):

@@ -87,7 +87,7 @@ class Recorder:
         self.latest: dict[str, float] = {}
         self.train_history: list[tuple[int, float]] = []
         self.eval_history: list[dict[str, float]] = []
-        self._pending: dict[int, list[dict[str, float]]] = {}
+        self._pending: dict[tuple[int, bool], list[dict[str, float]]] = {}
         self._finished: dict[int, dict[str, Any]] = {}
         self._all_finished = threading.Event()
         self._lock = threading.Lock()
@@ -103,13 +103,17 @@ class Recorder:
         self.fabric.log_dict(row, step=step)
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
-        """One learner's metrics at ``step`` (global frames); logged once all have reported."""
+        """One learner's training or evaluation row at ``step`` (global frames), logged once
+        every learner has sent that kind of row for that step. Each row is its own RPC, so one
+        learner's evaluation row can arrive before another's training row of the same step:
+        rows are paired by kind as well as by step."""
+        key = (step, "eval_return" in metrics)
         with self._lock:
-            rows = self._pending.setdefault(step, [])
+            rows = self._pending.setdefault(key, [])
             rows.append(metrics)
             if len(rows) < len(self.topology.learner_ranks):
                 return
-            del self._pending[step]
+            del self._pending[key]
             merged = merge(rows)
             self.record(step, merged, wall_s=self.elapsed())
             self.show_progress(step, merged)
@@ -141,7 +145,7 @@ class Recorder:
         """Write summary.json from the learners' final statistics and close the loggers."""
         learners = [self._finished[rank] for rank in self.topology.learner_ranks]
         eval_returns = [r for stats in learners for r in stats["eval_returns"]]
-        frames = sum(stats["frames"] for stats in learners)
+        frames = learners[0]["frames"]
         updates = learners[0]["updates"]
         train_s = max(stats["train_s"] for stats in learners)
         sampled, inserted = (sum(stats[key] for stats in learners) for key in ("sampled", "inserted"))
@@ -161,6 +165,11 @@ class Recorder:
             # learning starts), and how many updates old the collector's weights were.
             "samples_per_insert": sampled / inserted if inserted else 0.0,
             "policy_lag": sum(stats["policy_lag"] for stats in learners) / len(learners),
+            # Per learner: frames collected in this process, rollouts, how many of them the
+            # preemption threshold cut short, and the mean fraction of a full one collected.
+            "learner_rollouts": {
+                str(rank): self._finished[rank]["rollouts"] for rank in self.topology.learner_ranks
+            },
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
             },
@@ -212,8 +221,8 @@ def publish(logger: Any, summary: dict[str, Any], files: list[Path]) -> None:
 
 def merge(rows: list[dict[str, float]]) -> dict[str, float]:
     merged = {}
-    for key in rows[0]:
-        values = [row[key] for row in rows if not math.isnan(row[key])]
+    for key in dict.fromkeys(key for row in rows for key in row):
+        values = [row[key] for row in rows if key in row and not math.isnan(row[key])]
         if not values:
             continue
         merged[key] = sum(values) if key in SUMMED else sum(values) / len(values)

@@ -16,9 +16,10 @@ package, so it can be read, linted and tested on its own. It defines:
     An ``nn.Module`` holding every trained parameter. The runtime wraps it in DDP, so its
     ``forward(batch)`` returns ``(loss, metrics)`` and DDP all-reduces the gradients. It has
     ``uses_replay``, ``policy`` (what the collector runs; greedy evaluation runs it in
-    deterministic mode), ``make_optimizer()``, ``after_collect(batch, frames)`` and
-    ``after_update()``; replay recipes also ``batch_keys`` (the keys a replay batch needs)
-    and ``priority_key``.
+    deterministic mode), ``make_optimizers()`` (named optimizers),
+    ``optimizers_to_step(update)`` (the names that step at this update),
+    ``after_collect(batch, frames)`` and ``after_update(update)``; replay recipes also
+    ``batch_keys`` (the keys a replay batch needs) and ``priority_key``.
 
 docs/adding-a-recipe.md explains each part and adds a recipe step by step.
 """

@@ -1,0 +1,89 @@
+"""The TD3 recipe's wiring on a tiny batch, without any distribution."""
+
+from __future__ import annotations
+
+import torch
+from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.recipes import td3
+from {{ cookiecutter.package_name }}.replay import ReplayShard
+
+from .conftest import collect_one_batch
+
+
+def make_agent_and_batch(batch_size: int = 32):
+    torch.manual_seed(0)
+    env = make_env("Pendulum-v1", num_envs=4, seed=0)
+    agent = td3.Agent(td3.Config(hidden_sizes=[16], batch_size=batch_size), env)
+    frames = collect_one_batch(env, agent.policy, 128).reshape(-1)
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
+    shard.extend(frames.select(*agent.batch_keys))
+    batch, _, _ = shard.sample(batch_size)
+    return agent, frames, batch
+
+
+def test_the_collector_explores_around_the_actor_and_evaluation_does_not():
+    agent, frames, _ = make_agent_and_batch()
+    assert frames["action"].abs().max() <= 2.0  # Pendulum's torque bound
+    probe = frames[:16].select("observation")
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        greedy = agent.policy(probe.clone())["action"]
+    torch.testing.assert_close(greedy, agent.actor(probe.clone())["action"])
+    noisy = agent.policy(probe.clone())["action"]  # the collector's (random) mode
+    # Noise of 0.1 half-ranges (0.2 for Pendulum's [-2, 2]), clipped to the bounds.
+    assert 0.05 < (noisy - greedy).std() < 0.4
+
+
+def step(agent, optimizers, batch, update: int) -> None:
+    """One update as the learner runs it: every gradient, then the recipe's optimizers."""
+    loss, _ = agent(batch.clone())
+    for optimizer in optimizers.values():
+        optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    for name in agent.optimizers_to_step(update):
+        optimizers[name].step()
+    agent.after_update(update)
+
+
+def snapshot(agent) -> list[torch.Tensor]:
+    """The actor, the critics, the target actor and the target critics, each flattened."""
+    loss_module = agent.loss_module
+    parts = (
+        loss_module.actor_network_params,
+        loss_module.qvalue_network_params,
+        loss_module.target_actor_network_params,
+        loss_module.target_qvalue_network_params,
+    )
+    return [torch.cat([p.detach().reshape(-1) for p in part.values(True, True)]).clone() for part in parts]
+
+
+def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_every_one():
+    agent, _, batch = make_agent_and_batch()
+    optimizers = agent.make_optimizers()
+    moved = []
+    for update in (1, 2, 3, 4):
+        before = snapshot(agent)
+        step(agent, optimizers, batch, update)
+        moved.append(tuple(not torch.equal(b, a) for b, a in zip(before, snapshot(agent), strict=True)))
+    # (actor, critics, target actor, target critics) at updates 1-4. On critic-only updates
+    # the actor had a gradient (DDP all-reduced it) and Adam state, yet did not move.
+    assert moved == [
+        (False, True, False, False),
+        (True, True, True, True),
+        (False, True, False, False),
+        (True, True, True, True),
+    ]
+
+
+def test_priorities_are_absolute_td_errors():
+    """torchrl's TD3Loss writes the larger squared TD error of the twin critics; prioritized
+    replay wants its magnitude."""
+    agent, _, batch = make_agent_and_batch()
+    squared = batch.clone()
+    torch.manual_seed(1)  # the same target-policy smoothing noise for both
+    agent.loss_module(squared)
+    torch.manual_seed(1)
+    agent(batch)
+    assert batch[agent.priority_key].shape == (32,)
+    torch.testing.assert_close(batch[agent.priority_key], squared[agent.priority_key].sqrt())
