@@ -200,7 +200,7 @@ def test_a_checkpoint_with_pixels_keeps_the_replay_or_says_it_did_not(batches, t
     (shard,), client = filled(batches)
     plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
     learner.save_checkpoint(
-        cfg, 1024, 10, agent, agent.make_optimizer(), client, plan, None, torch.device("cpu")
+        cfg, 1024, 10, agent, agent.make_optimizers(), client, plan, None, torch.device("cpu")
     )
 
     resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}), 1, 1)
