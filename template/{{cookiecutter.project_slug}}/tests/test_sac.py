@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import sac
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
