@@ -35,8 +35,9 @@ class EnvConfig:
     num_envs: int = MISSING
     vectorization: str = MISSING
     kwargs: dict[str, Any] = field(default_factory=dict)
-    clip_rewards: bool = MISSING
-    life_loss: bool = MISSING
+    # False unless the recipe's defaults for the env's family (or the user) turn them on.
+    clip_rewards: bool = False
+    life_loss: bool = False
 
 
 @dataclass
@@ -136,6 +137,7 @@ def load(overrides: list[str], defaults: Path) -> DictConfig:
         cfg = OmegaConf.structured(RunConfig)
         cfg.algo = OmegaConf.structured(recipe.Config)
         OmegaConf.set_struct(cfg, True)
+        OmegaConf.set_struct(cfg.env.kwargs, False)  # any keyword the env takes
         family_defaults = getattr(recipe, "FAMILY_DEFAULTS", {}).get(family, {})
         cfg = OmegaConf.merge(cfg, recipe.RUN_DEFAULTS, family_defaults, file, cli)
         missing = sorted(OmegaConf.missing_keys(cfg))
@@ -204,11 +206,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"env.vectorization must be one of {choices}, got '{cfg.env.vectorization}'")
     try:
         family = envs.family_of(cfg.env.id)
-        envs.vectorization_of(cfg.env.vectorization, family)
+        envs.vectorization_of(cfg.env.vectorization, cfg.env.id)
     except envs.EnvUnavailable as error:
         raise ConfigError(str(error)) from None
     if cfg.env.life_loss and family != envs.ATARI:
-        raise ConfigError(f"env.life_loss is for Atari games, not a {family} env ({cfg.env.id})")
+        raise ConfigError(f"env.life_loss is for Atari games ({cfg.env.id} is not one)")
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:

@@ -66,7 +66,8 @@ class EnvUnavailable(ValueError):
 def family_of(env_id: str) -> str:
     """The family of a registered env id; EnvUnavailable names the pip command when the
     family's package is missing."""
-    register_installed_envs()
+    if env_id not in gym.registry:
+        register_installed_envs()
     if env_id not in gym.registry:
         family = NAMESPACES.get(env_id.split("/")[0]) if "/" in env_id else None
         if family is not None:
@@ -96,7 +97,8 @@ def installed(module: str) -> bool:
 @functools.cache
 def register_installed_envs() -> None:
     """Register the ids of the env packages that are installed: ale-py and minatar register
-    theirs only when asked (gymnasium 1.x loads no plugins by itself)."""
+    theirs only when asked (gymnasium 1.x loads no plugins by itself). Called for ids not
+    registered yet: importing minatar takes seconds (it imports seaborn)."""
     if installed("ale_py"):
         import ale_py
 
@@ -107,13 +109,14 @@ def register_installed_envs() -> None:
         minatar.gym.register_envs()
 
 
-def vectorization_of(requested: str, family: str) -> str:
+def vectorization_of(requested: str, env_id: str) -> str:
     """``auto`` resolved by the measured rule: ale-py's own vector env is the fastest for
     Atari; for the rest, subprocesses cost more than cheap envs take to step."""
+    family = family_of(env_id)
     if requested == AUTO:
         return ALE if family == ATARI else SYNC
     if requested == ALE and family != ATARI:
-        raise EnvUnavailable(f"env.vectorization=ale is for Atari ids, not a {family} env")
+        raise EnvUnavailable(f"env.vectorization=ale is for Atari games ({env_id} is not one)")
     return requested
 
 
@@ -134,7 +137,7 @@ def make_env(
     env = {"id": env} if isinstance(env, str) else env
     env_id = env["id"]
     family = family_of(env_id)
-    backend = vectorization_of(env.get("vectorization", AUTO), family)
+    backend = vectorization_of(env.get("vectorization", AUTO), env_id)
     kwargs = dict(env.get("kwargs") or {})
     # ale-py's vector env has no disabled mode. Elsewhere autoreset is left to torchrl
     # (gymnasium's DISABLED mode): it resets finished copies through a mask, where same-step
