@@ -15,8 +15,8 @@ recipes); ``random``: uniformly random actions. Three ways to collect:
 - plain loop: the family's vector env stepped by hand (gymnasium's synchronous vector env;
   for Atari ale-py's ``AtariVectorEnv``, the DQN preprocessing included), numpy observations
   in, one batched forward pass out, nothing kept;
-- project collector: ``collector.make_collector`` in sync mode, what a learner runs (for
-  Atari on ale-py's vector env too: ``env.vectorization=auto``);
+- project collector: ``collector.make_collector`` in sync mode, what a learner runs, on
+  the vector env ``--vectorization`` picks (``auto``: for Atari ale-py's vector env too);
 - torchrl Collector, default settings: the project's env with same-step autoreset through
   ``Collector`` with its defaults (trajectory ids), for reference.
 
@@ -123,21 +123,21 @@ def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: in
 
 
 def collector_rate(
-    kind: str, policy: TensorDictModuleBase | None, env_id: str, num_envs: int, frames: int
+    kind: str, policy: TensorDictModuleBase | None, env: dict, num_envs: int, frames: int
 ) -> float:
     frames_per_batch = BATCH_STEPS * num_envs
     total = -(-frames // frames_per_batch) * frames_per_batch  # whole batches
     if kind == "project":
         cfg = OmegaConf.create(
             {
-                "env": {"id": env_id, "num_envs": num_envs},
+                "env": {**env, "num_envs": num_envs},
                 "collector": {"frames_per_batch": frames_per_batch, "mode": "sync"},
             }
         )
         collector = make_collector(cfg, policy, seed=0, total_frames=total, device=torch.device("cpu"))
     else:
-        env = make_env(env_id, num_envs, seed=0, training=False)  # same-step autoreset
-        collector = Collector(env, policy, frames_per_batch=frames_per_batch, total_frames=total)
+        same_step = make_env(env, num_envs, seed=0, training=False)
+        collector = Collector(same_step, policy, frames_per_batch=frames_per_batch, total_frames=total)
     iterator = iter(collector)
     first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up
     collected = 0
@@ -158,19 +158,22 @@ def main() -> None:
     parser.add_argument("--envs", type=int, default=32)
     parser.add_argument("--frames", type=int, default=192_000)
     parser.add_argument("--policies", default="network", help="comma-separated: network, random")
+    parser.add_argument("--vectorization", default="auto", help="the collectors' env.vectorization")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    result = {"benchmark": "collection", "env": args.env, "envs": args.envs, "frames": args.frames}
+    env = {"id": args.env, "vectorization": args.vectorization}
+    result = {"benchmark": "collection", "env": args.env, "vectorization": args.vectorization}
+    result.update({"envs": args.envs, "frames": args.frames})
     print(f"{'policy':<8} {'setup':<36} {'frames/s':>10} {'vs plain':>9}")
     for kind in args.policies.split(","):
         if kind not in ("network", "random"):
             parser.error(f"unknown policy '{kind}' (network, random)")
         network, policy = make_policy(args.env, args.envs) if kind == "network" else (None, None)
         plain = plain_loop(network, args.env, args.envs, args.frames)
-        project = collector_rate("project", policy, args.env, args.envs, args.frames)
-        torchrl = collector_rate("torchrl", policy, args.env, args.envs, args.frames)
+        project = collector_rate("project", policy, env, args.envs, args.frames)
+        torchrl = collector_rate("torchrl", policy, env, args.envs, args.frames)
         for name, rate in (
             ("plain loop", plain),
             ("project collector", project),
