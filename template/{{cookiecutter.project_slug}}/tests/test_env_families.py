@@ -93,6 +93,7 @@ def test_sac_on_mujoco_through_three_ranks_trains_on_float32(tmp_path):
     assert OmegaConf.load(tmp_path / "config.yaml").algo.lr == 3e-4  # SAC's MuJoCo settings
 
 
+@pytest.mark.slow
 def test_atari_training_sees_clipped_rewards_and_life_losses_but_returns_are_game_scores():
     """Space Invaders pays 5 to 30 points an alien and has three lives."""
     settings = {"id": "ALE/SpaceInvaders-v5", "clip_rewards": True, "life_loss": True}
