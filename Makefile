@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -c "from torchrl.data import TensorDictPrioritizedReplayBuffer as B, LazyTensorStorage as S; B(alpha=0.6, beta=0.4, storage=S(8)); print('prioritized replay buffer: ok')"
+	$(BIN)/python -c "import ale_py, minatar, mujoco; print('env families atari, minatar, mujoco: ok')"
 	touch $@
 
 DEMO_RUN := $(DEMO_DIR)/my-rl-project/runs/demo

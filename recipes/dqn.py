@@ -1,8 +1,9 @@
 """DQN with prioritized replay and a target network.
 
 Mnih et al. (2015) with the prioritized replay of Schaul et al. (2016). The runtime owns
-collection, replay, DDP and logging; this file owns what is specific to DQN: the Q network,
-epsilon-greedy exploration, the loss and the target network.
+collection, replay, DDP and logging; this file owns what is specific to DQN: the Q network
+(an MLP for vector observations, the Nature-DQN convolutions for Atari frames, the MinAtar
+network for MinAtar grids), epsilon-greedy exploration, the loss and the target network.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictSequential
 from torch import nn
 from torchrl.envs import EnvBase
-from torchrl.modules import MLP, EGreedyModule, QValueActor
+from torchrl.modules import MLP, ConvNet, EGreedyModule, QValueActor
 from torchrl.objectives import DQNLoss, HardUpdate
 
 RUN_DEFAULTS = {
@@ -23,13 +24,56 @@ RUN_DEFAULTS = {
     "total_frames": 100_000,
 }
 
+# The settings of the standard setups of each env family, merged over RUN_DEFAULTS when
+# env.id is of that family (config.yaml and the command line still override them). Frames
+# are agent steps (an Atari step is 4 emulator frames), summed over the learners.
+FAMILY_DEFAULTS = {
+    # CleanRL's dqn_atari.py (the Nature DQN's settings): lr 1e-4, batch 32, one update per
+    # 4 steps, target copied every 1,000 steps (250 updates), epsilon 1 -> 0.01 over the
+    # first 1M of 10M steps, learning from 80k, its life-loss and reward-clipping wrappers.
+    # The 1M-transition replay of the paper is replay.capacity=1000000.
+    "atari": {
+        "env": {"num_envs": 8, "life_loss": True, "clip_rewards": True},
+        "collector": {"frames_per_batch": 32},
+        "total_frames": 10_000_000,
+        "algo": {
+            "hidden_sizes": [512],
+            "lr": 1e-4,
+            "batch_size": 32,
+            "updates_per_batch": 8,
+            "learning_starts": 80_000,
+            "eps_end": 0.01,
+            "eps_frames": 1_000_000,
+            "target_update_period": 250,
+        },
+    },
+    # The MinAtar paper's DQN (Young & Tian 2019): batch 32, one update per step, target
+    # copied every 1,000 updates, epsilon 1 -> 0.1 over 100k steps, learning from 5,000,
+    # 5M steps, a 100k replay (config.yaml's); Adam at its RMSProp's 2.5e-4.
+    "minatar": {
+        "env": {"num_envs": 8},
+        "collector": {"frames_per_batch": 32},
+        "total_frames": 5_000_000,
+        "algo": {
+            "hidden_sizes": [128],
+            "lr": 2.5e-4,
+            "batch_size": 32,
+            "updates_per_batch": 32,
+            "learning_starts": 5_000,
+            "eps_end": 0.1,
+            "eps_frames": 100_000,
+            "target_update_period": 1_000,
+        },
+    },
+}
+
 
 @dataclass
 class Config:
     """DQN hyperparameters. Frame counts are summed over all learner ranks."""
 
     hidden_sizes: list[int] = field(default_factory=lambda: [256, 256])
-    """units of the Q network's hidden layers"""
+    """units of the Q network's hidden layers (after the convolutions, for images)"""
     lr: float = 2.3e-3
     """Adam's learning rate"""
     gamma: float = 0.99
@@ -76,12 +120,8 @@ class Agent(nn.Module):
         super().__init__()
         self.cfg = cfg
         action_spec = env.action_spec
-        q_network = MLP(
-            in_features=env.observation_spec["observation"].shape[-1],
-            out_features=action_spec.shape[-1],
-            num_cells=list(cfg.hidden_sizes),
-            activation_class=nn.ReLU,
-        )
+        observation_shape = env.observation_spec_unbatched["observation"].shape
+        q_network = make_q_network(observation_shape, action_spec.shape[-1], list(cfg.hidden_sizes))
         self.actor = QValueActor(q_network, in_keys=["observation"], spec=action_spec)
         self.exploration = EGreedyModule(
             action_spec,
@@ -128,3 +168,44 @@ class Agent(nn.Module):
     def after_update(self, update: int) -> None:
         """HardUpdate counts the updates itself and copies every ``target_update_period``."""
         self.target_updater.step()
+
+
+def make_q_network(observation_shape: torch.Size, actions: int, hidden_sizes: list[int]) -> nn.Module:
+    """An MLP for vector observations. For images ``(channels, height, width)``: the
+    Nature-DQN convolutions (Mnih et al. 2015) for frames of 36 pixels or more (Atari's
+    84x84), else the MinAtar network's one 3x3 convolution (Young & Tian 2019); then
+    ``hidden_sizes`` fully connected units (512 and 128 in the papers)."""
+    if len(observation_shape) == 1:
+        return MLP(observation_shape[0], actions, num_cells=hidden_sizes, activation_class=nn.ReLU)
+    channels, height, _ = observation_shape
+    if height >= 36:
+        convolutions = ConvNet(
+            channels,
+            num_cells=[32, 64, 64],
+            kernel_sizes=[8, 4, 3],
+            strides=[4, 2, 1],
+            activation_class=nn.ReLU,
+        )
+        scale = 255.0  # grey levels
+    else:
+        convolutions = ConvNet(
+            channels, num_cells=[16], kernel_sizes=[3], strides=[1], activation_class=nn.ReLU
+        )
+        scale = 1.0  # MinAtar's channels are 0 or 1
+    with torch.no_grad():
+        features = convolutions(torch.zeros(1, *observation_shape)).shape[-1]
+    head = MLP(features, actions, num_cells=hidden_sizes, activation_class=nn.ReLU)
+    return nn.Sequential(ToFloat(scale), convolutions, head)
+
+
+class ToFloat(nn.Module):
+    """uint8 images (one byte per value from the env, through the collector and replay)
+    become floats here, on the network's device: a batch crosses to the GPU at a quarter
+    of float32's size. torch has no module for a dtype cast with a scale."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images.float().div_(self.scale)

@@ -23,6 +23,26 @@ RUN_DEFAULTS = {
     "total_frames": 30_000,
 }
 
+# The settings of the standard setups of each env family, merged over RUN_DEFAULTS when
+# env.id is of that family (config.yaml and the command line still override them).
+FAMILY_DEFAULTS = {
+    # CleanRL's sac_continuous_action.py on MuJoCo: 256x256 networks, batch 256, one update
+    # per step, learning from 5,000 steps, tau 0.005, 1M steps; lr 3e-4 (CleanRL's actor's,
+    # the SB3 zoo's for all three losses: one optimizer here).
+    "mujoco": {
+        "env": {"num_envs": 4},
+        "collector": {"frames_per_batch": 64},
+        "total_frames": 1_000_000,
+        "algo": {
+            "hidden_sizes": [256, 256],
+            "lr": 3e-4,
+            "batch_size": 256,
+            "updates_per_batch": 64,
+            "learning_starts": 5_000,
+        },
+    },
+}
+
 
 @dataclass
 class Config:

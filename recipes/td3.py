@@ -27,6 +27,17 @@ RUN_DEFAULTS = {
     # CleanRL's 25,000 random frames are for million-frame MuJoCo runs.
     "algo": {"learning_starts": 1000},
 }
+FAMILY_DEFAULTS = {
+    # CleanRL's td3_continuous_action.py: 1M steps, 25,000 of them random before learning
+    # (the Config's defaults are its other values); 4 envs of 16 steps per learner and
+    # batch, one update per frame collected.
+    "mujoco": {
+        "env": {"num_envs": 4},
+        "collector": {"frames_per_batch": 64},
+        "total_frames": 1_000_000,
+        "algo": {"learning_starts": 25_000},
+    },
+}
 
 
 @dataclass

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torchrl.envs import GymWrapper
 
+from recipes.dqn import make_q_network
+
 from .conftest import REPO
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py") if not p.stem.startswith("_"))
@@ -81,3 +83,32 @@ def test_every_hyperparameter_is_described_under_its_field(name):
     }
     fields = {field.name for field in dataclasses.fields(importlib.import_module(f"recipes.{name}").Config)}
     assert fields == described
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_family_defaults_set_known_keys_in_whole_collector_steps(name):
+    recipe = importlib.import_module(f"recipes.{name}")
+    fields = {field.name for field in dataclasses.fields(recipe.Config)}
+    for family, defaults in getattr(recipe, "FAMILY_DEFAULTS", {}).items():
+        assert family in {"atari", "minatar", "mujoco"}, family
+        assert set(defaults) <= {"env", "collector", "total_frames", "algo"}
+        assert set(defaults.get("algo", {})) <= fields
+        assert defaults["collector"]["frames_per_batch"] % defaults["env"]["num_envs"] == 0
+
+
+@pytest.mark.parametrize(
+    ("shape", "convolutions", "features"),
+    [((4, 84, 84), [32, 64, 64], 3136), ((4, 10, 10), [16], 1024), ((7,), [], 7)],
+)
+def test_dqn_builds_the_network_the_observations_call_for(shape, convolutions, features):
+    """Atari frames: the Nature-DQN convolutions; MinAtar grids: the MinAtar network's one;
+    vectors: an MLP. Images are uint8 and become floats inside the network."""
+    network = make_q_network(torch.Size(shape), actions=6, hidden_sizes=[32])
+    convs = [module.out_channels for module in network.modules() if isinstance(module, torch.nn.Conv2d)]
+    linears = [module for module in network.modules() if isinstance(module, torch.nn.Linear)]
+    assert convs == convolutions and linears[0].in_features == features
+    dtype = torch.uint8 if len(shape) == 3 else torch.float32
+    inputs = torch.randint(0, 255 if shape[-1] == 84 else 2, (5, *shape), dtype=dtype)
+    assert network(inputs).shape == (5, 6)
+    if len(shape) == 3:  # scaled to [0, 1] inside: full-white frames give finite, modest values
+        assert network(torch.full((1, *shape), 255 if shape[-1] == 84 else 1, dtype=dtype)).abs().max() < 10

@@ -22,8 +22,8 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from {{ cookiecutter.package_name }} import checkpoint
-from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.config import ConfigError
+from {{ cookiecutter.package_name }}.envs import EnvUnavailable, make_env
 from {{ cookiecutter.package_name }}.evaluation import evaluate, record
 
 USAGE = (
@@ -48,17 +48,20 @@ def main(argv: list[str]) -> int:
         args = parse(argv)
         path = checkpoint.locate(args.checkpoint)
         state, recipe = checkpoint.load(path)
-        specs = make_env(state["env_id"], 1, args.seed)  # what the agent's layers are sized by
+        # The run's env settings (family preprocessing, vectorization, kwargs); older
+        # checkpoints have only the id.
+        env = state.get("env", state["env_id"])
+        specs = make_env(env, 1, args.seed)  # what the agent's layers are sized by
         agent = recipe.Agent(recipe.Config(**state["algo"]), specs)
         specs.close()
         agent.load_state_dict(state["agent"])
         agent.eval()
         run_dir = checkpoint.run_dir_of(path)
         if args.video:
-            returns = record(agent.policy, state["env_id"], args.episodes, args.seed, run_dir / "videos")
+            returns = record(agent.policy, env, args.episodes, args.seed, run_dir / "videos")
         else:
-            returns = evaluate(agent.policy, state["env_id"], args.episodes, args.seed, torch.device("cpu"))
-    except ConfigError as error:
+            returns = evaluate(agent.policy, env, args.episodes, args.seed, torch.device("cpu"))
+    except (ConfigError, EnvUnavailable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except gym.error.DependencyNotInstalled as error:

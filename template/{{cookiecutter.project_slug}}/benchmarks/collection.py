@@ -1,18 +1,24 @@
-"""Collection benchmark: the project's collector against a plain gymnasium loop.
+"""Collection benchmark: the project's collector against the env stepped in a plain loop.
 
     python benchmarks/collection.py                 # 32 CartPole copies, 192,000 frames
     python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000  # needs .[mujoco]
+    python benchmarks/collection.py --env ALE/Pong-v5 --envs 8 --frames 20000 --policies random,network
+                                                    # needs .[atari]
 
-All step ``--envs`` copies in one synchronous gymnasium vector env and act with the same
-network, in this one process with one torch thread (a learner's share of a 3-rank run on
-2 cores): for discrete actions DQN's Q network with epsilon-greedy exploration, for
-continuous ones a deterministic MLP actor with Gaussian noise (both built here, so the
-benchmark runs in a project generated with any recipes). Three ways to collect:
+All step ``--envs`` copies as one vector env and act with the same policy, in this one
+process with one torch thread (a learner's share of a 3-rank run on 2 cores). Policies:
+``network``: for discrete actions DQN's Q network (an MLP; the Nature-DQN convolutions on
+Atari frames) with epsilon-greedy exploration, for continuous ones a deterministic MLP actor
+with Gaussian noise (both built here, so the benchmark runs in a project generated with any
+recipes); ``random``: uniformly random actions. Three ways to collect:
 
-- plain gymnasium loop: numpy observations in, one batched forward pass out, nothing kept;
-- project collector: ``collector.make_collector`` in sync mode, what a learner runs;
-- torchrl Collector, default settings: the same env and policy through ``Collector`` with
-  its defaults (trajectory ids), on a vector env with same-step autoreset, for reference.
+- plain loop: the family's vector env stepped by hand (gymnasium's synchronous vector env;
+  for Atari ale-py's ``AtariVectorEnv``, the DQN preprocessing included), numpy observations
+  in, one batched forward pass out, nothing kept;
+- project collector: ``collector.make_collector`` in sync mode, what a learner runs, on
+  the vector env ``--vectorization`` picks (``auto``: for Atari ale-py's vector env too);
+- torchrl Collector, default settings: the project's env with same-step autoreset through
+  ``Collector`` with its defaults (trajectory ids), for reference.
 
 Prints a table and, last, a JSON line.
 """
@@ -24,55 +30,89 @@ import json
 import time
 
 import gymnasium as gym
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictModuleBase, TensorDictSequential
 from torch import nn
 from torchrl.collectors import Collector
-from torchrl.modules import MLP, AdditiveGaussianModule, EGreedyModule, QValueActor
+from torchrl.modules import MLP, AdditiveGaussianModule, ConvNet, EGreedyModule, QValueActor
 
-from {{ cookiecutter.package_name }}.collector import as_torchrl, make_collector, make_env
+from {{ cookiecutter.package_name }}.collector import make_collector
+from {{ cookiecutter.package_name }}.envs import ATARI, atari_vector_settings, family_of, make_env
 
 NOISE = 0.1  # epsilon, or the Gaussian noise's standard deviation
 BATCH_STEPS = 32  # collector steps per batch
 
 
+class Pixels(nn.Module):
+    """uint8 frames as floats in [0, 1], as DQN's network takes them."""
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return frames.float().div_(255.0)
+
+
 def make_policy(env_id: str, num_envs: int) -> tuple[nn.Module, TensorDictModuleBase]:
     """A network, and the exploring torchrl policy around it."""
     env = make_env(env_id, num_envs, seed=0)
-    observations = env.observation_spec["observation"].shape[-1]
+    observation_shape = env.observation_spec_unbatched["observation"].shape
     action_spec = env.action_spec
+    discrete = not env.action_spec.dtype.is_floating_point
     env.close()
-    if isinstance(gym.spec(env_id).make().action_space, gym.spaces.Discrete):
-        network = MLP(observations, action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU)
+    if len(observation_shape) == 3:  # Atari frames: the Nature-DQN network
+        convolutions = ConvNet(
+            observation_shape[0], num_cells=[32, 64, 64], kernel_sizes=[8, 4, 3], strides=[4, 2, 1],
+            activation_class=nn.ReLU,
+        )  # fmt: skip
+        features = convolutions(torch.zeros(1, *observation_shape)).shape[-1]
+        head = MLP(features, action_spec.shape[-1], num_cells=[512], activation_class=nn.ReLU)
+        network = nn.Sequential(Pixels(), convolutions, head)
+    else:
+        network = MLP(
+            observation_shape[0], action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU
+        )
+    if discrete:
         actor = QValueActor(network, in_keys=["observation"], spec=action_spec)
         return network, TensorDictSequential(actor, EGreedyModule(action_spec, eps_init=NOISE, eps_end=NOISE))
-    network = nn.Sequential(
-        MLP(observations, action_spec.shape[-1], num_cells=[256, 256], activation_class=nn.ReLU), nn.Tanh()
-    )
+    network = nn.Sequential(network, nn.Tanh())
     actor = TensorDictModule(network, in_keys=["observation"], out_keys=["action"])
     noise = AdditiveGaussianModule(action_spec, sigma_init=NOISE, sigma_end=NOISE, annealing_num_steps=1)
     return network, TensorDictSequential(actor, noise)
 
 
-def plain_loop(network: nn.Module, env_id: str, num_envs: int, frames: int) -> float:
-    """Frames/s of a hand-written loop: numpy observations in, one batched forward pass out."""
-    envs = gym.make_vec(
-        env_id,
-        num_envs=num_envs,
-        vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-    )
-    discrete = isinstance(envs.single_action_space, gym.spaces.Discrete)
+def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: int) -> float:
+    """Frames/s of a hand-written loop: numpy observations in, one batched forward pass out
+    (or random actions without a network)."""
+    if family_of(env_id) == ATARI:
+        envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
+                            **atari_vector_settings({}))  # fmt: skip
+    else:
+        envs = gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode="sync",
+            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+        )
+    space = envs.single_action_space
+    discrete = isinstance(space, gym.spaces.Discrete)
+    rng = np.random.default_rng(0)
     observations, _ = envs.reset(seed=0)
     started = time.perf_counter()
     for _ in range(frames // num_envs):
-        with torch.no_grad():
-            output = network(torch.as_tensor(observations, dtype=torch.float32))
+        if network is None:
+            if discrete:
+                actions = rng.integers(0, int(space.n), size=num_envs)
+            else:
+                actions = rng.uniform(space.low, space.high, size=(num_envs, *space.shape))
+            observations, *_ = envs.step(actions)
+            continue
+        inputs = torch.as_tensor(observations)
+        with torch.no_grad():  # Atari's uint8 frames go in as they are, like the collector's
+            output = network(inputs if inputs.dtype == torch.uint8 else inputs.float())
         if discrete:
             explore = torch.rand(num_envs) < NOISE
-            random_actions = torch.randint(0, int(envs.single_action_space.n), (num_envs,))
+            random_actions = torch.randint(0, int(space.n), (num_envs,))
             actions = torch.where(explore, random_actions, output.argmax(-1))
         else:
             actions = (output + NOISE * torch.randn_like(output)).clamp(-1, 1)
@@ -82,26 +122,22 @@ def plain_loop(network: nn.Module, env_id: str, num_envs: int, frames: int) -> f
     return frames // num_envs * num_envs / elapsed
 
 
-def collector_rate(kind: str, policy: TensorDictModuleBase, env_id: str, num_envs: int, frames: int) -> float:
+def collector_rate(
+    kind: str, policy: TensorDictModuleBase | None, env: dict, num_envs: int, frames: int
+) -> float:
     frames_per_batch = BATCH_STEPS * num_envs
     total = -(-frames // frames_per_batch) * frames_per_batch  # whole batches
     if kind == "project":
         cfg = OmegaConf.create(
             {
-                "env": {"id": env_id, "num_envs": num_envs},
+                "env": {**env, "num_envs": num_envs},
                 "collector": {"frames_per_batch": frames_per_batch, "mode": "sync"},
             }
         )
         collector = make_collector(cfg, policy, seed=0, total_frames=total, device=torch.device("cpu"))
     else:
-        vector_env = gym.make_vec(
-            env_id,
-            num_envs=num_envs,
-            vectorization_mode="sync",
-            vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-        )
-        env = as_torchrl(vector_env, seed=0)
-        collector = Collector(env, policy, frames_per_batch=frames_per_batch, total_frames=total)
+        same_step = make_env(env, num_envs, seed=0, training=False)
+        collector = Collector(same_step, policy, frames_per_batch=frames_per_batch, total_frames=total)
     iterator = iter(collector)
     first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up
     collected = 0
@@ -121,24 +157,36 @@ def main() -> None:
     parser.add_argument("--env", default="CartPole-v1")
     parser.add_argument("--envs", type=int, default=32)
     parser.add_argument("--frames", type=int, default=192_000)
+    parser.add_argument("--policies", default="network", help="comma-separated: network, random")
+    parser.add_argument("--vectorization", default="auto", help="the collectors' env.vectorization")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    network, policy = make_policy(args.env, args.envs)
-    plain = plain_loop(network, args.env, args.envs, args.frames)
-    project = collector_rate("project", policy, args.env, args.envs, args.frames)
-    torchrl = collector_rate("torchrl", policy, args.env, args.envs, args.frames)
-    print(f"{'setup':<36} {'frames/s':>10} {'vs plain':>9}")
-    for name, rate in (
-        ("plain gymnasium loop", plain),
-        ("project collector", project),
-        ("torchrl Collector, default settings", torchrl),
-    ):
-        print(f"{name:<36} {rate:>10.0f} {rate / plain:>9.2f}")
-    result = {"benchmark": "collection", "env": args.env, "envs": args.envs, "frames": args.frames}
-    rates = {"plain_fps": plain, "collector_fps": project, "torchrl_collector_fps": torchrl}
-    print(json.dumps({**result, **rates, "ratio": project / plain}))
+    env = {"id": args.env, "vectorization": args.vectorization}
+    result = {"benchmark": "collection", "env": args.env, "vectorization": args.vectorization}
+    result.update({"envs": args.envs, "frames": args.frames})
+    print(f"{'policy':<8} {'setup':<36} {'frames/s':>10} {'vs plain':>9}")
+    for kind in args.policies.split(","):
+        if kind not in ("network", "random"):
+            parser.error(f"unknown policy '{kind}' (network, random)")
+        network, policy = make_policy(args.env, args.envs) if kind == "network" else (None, None)
+        plain = plain_loop(network, args.env, args.envs, args.frames)
+        project = collector_rate("project", policy, env, args.envs, args.frames)
+        torchrl = collector_rate("torchrl", policy, env, args.envs, args.frames)
+        for name, rate in (
+            ("plain loop", plain),
+            ("project collector", project),
+            ("torchrl Collector, default settings", torchrl),
+        ):
+            print(f"{kind:<8} {name:<36} {rate:>10.0f} {rate / plain:>9.2f}")
+        rates = {"plain_fps": plain, "collector_fps": project, "torchrl_collector_fps": torchrl}
+        # The first policy's figures at the top level (the table's first block), each by name.
+        result.setdefault("ratio", project / plain)
+        for key, value in rates.items():
+            result.setdefault(key, value)
+        result[kind] = {**rates, "ratio": project / plain}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

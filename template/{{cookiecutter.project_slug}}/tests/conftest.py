@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from torchrl.collectors import Collector
 
 from {{ cookiecutter.package_name }} import recipes
+from {{ cookiecutter.package_name }}.replay import ReplayShard
 
 PROJECT = Path(__file__).resolve().parents[1]
 RECIPES = recipes.available()
@@ -172,6 +174,45 @@ def read_summary(result: subprocess.CompletedProcess) -> dict:
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith("summary: "), last_line
     return json.loads(Path(last_line.removeprefix("summary: ")).read_text())
+
+
+# A few hundred frames on 3 ranks (one replay rank, two learners), a checkpoint at the end
+# to look into the replay shard. Atari games are cut at 800 emulator frames (200 steps).
+SMALL = [
+    "env.num_envs=4",
+    "collector.frames_per_batch=32",
+    "total_frames=384",
+    "replay.capacity=1000",
+    "algo.learning_starts=128",
+    "algo.updates_per_batch=2",
+    "algo.batch_size=8",
+    "eval.episodes=2",
+    "eval.every=0",
+    "log_every=128",
+    "checkpoint.every=384",
+]
+ATARI_SHORT = "env.kwargs.max_num_frames_per_episode=800"
+
+
+def replay_sample(run_dir: Path, priority_key: str) -> dict:
+    """Four transitions from the run's replay shard, as its checkpoint restores it."""
+    (folder,) = (run_dir / "checkpoints").glob("frames-*")
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    shard = ReplayShard(cfg.replay.capacity, cfg.replay.alpha, cfg.replay.beta, priority_key)
+    shard.load(str(folder / "replay-0"))
+    batch, *_ = shard.sample(4)
+    return batch
+
+
+def family_run(tmp_path: Path, recipe: str, env_id: str, *extra: str) -> tuple[dict, dict]:
+    result = fabric_run(3, f"recipe={recipe}", f"env.id={env_id}", *SMALL, *extra, f"run_dir={tmp_path}")
+    summary = read_summary(result)
+    assert summary["roles"] == {"0": "replay", "1": "learner", "2": "learner"}
+    assert summary["frames_collected"] == summary["replay_size"] == 384
+    assert summary["updates"] > 0 and summary["eval_episodes"] == 2
+    checksums = set(summary["learner_param_checksums"].values())
+    assert len(checksums) == 1  # the learners stayed identical
+    return summary, replay_sample(tmp_path, recipes.load(recipe).Agent.priority_key)
 
 
 def collect_one_batch(env, policy, frames: int):

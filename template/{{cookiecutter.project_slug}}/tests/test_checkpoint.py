@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes
-from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 from {{ cookiecutter.package_name }}.topology import LocalRef, Topology
 

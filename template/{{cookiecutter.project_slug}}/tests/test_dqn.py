@@ -1,14 +1,23 @@
-"""The DQN recipe's wiring on a tiny batch, without any distribution."""
+"""The DQN recipe's wiring on a tiny batch, without any distribution; its runs on Atari
+and MinAtar through 3 ranks."""
 
 from __future__ import annotations
 
-import torch
+import json
 
-from {{ cookiecutter.package_name }}.collector import make_env
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import dqn
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
-from .conftest import collect_one_batch
+from .conftest import ATARI_SHORT, collect_one_batch, family_run, load_script
+
+train = load_script("train")
+evaluate = load_script("evaluate")
 
 
 def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
@@ -53,3 +62,38 @@ def test_epsilon_anneals_in_closed_form_and_checkpoints_keep_it():
     resumed = dqn.Agent(config, env)
     resumed.load_state_dict(agent.state_dict())
     assert resumed.exploration.eps.item() == agent.exploration.eps.item()
+
+
+@pytest.mark.slow
+def test_dqn_on_atari_through_three_ranks_keeps_uint8_frame_stacks(tmp_path):
+    summary, batch = family_run(tmp_path, "dqn", "ALE/Pong-v5", ATARI_SHORT)
+    for key in ("observation", ("next", "observation")):
+        assert batch[key].dtype == torch.uint8 and batch[key].shape == (4, 4, 84, 84)
+    resolved = OmegaConf.load(tmp_path / "config.yaml")
+    # DQN's Atari settings (CleanRL's) came with the env id, with the command line on top.
+    assert resolved.env.life_loss and resolved.env.clip_rewards and resolved.algo.lr == 1e-4
+    assert resolved.algo.batch_size == 8
+    # A Pong point is worth one: game scores lie in [-21, 21].
+    assert -21 <= summary["eval_return"] <= 21
+
+
+@pytest.mark.slow
+def test_dqn_on_minatar_through_three_ranks_keeps_uint8_channels_first(tmp_path):
+    _, batch = family_run(tmp_path, "dqn", "MinAtar/Breakout-v1")
+    assert batch["observation"].dtype == torch.uint8 and batch["observation"].shape == (4, 4, 10, 10)
+    assert set(batch["observation"].unique().tolist()) <= {0, 1}
+    assert OmegaConf.load(tmp_path / "config.yaml").algo.hidden_sizes == [128]  # the MinAtar network
+
+
+@pytest.mark.slow
+def test_atari_evaluation_records_a_video_of_the_game(tmp_path):
+    overrides = ["recipe=dqn", "env.id=ALE/Pong-v5", ATARI_SHORT, f"run_dir={tmp_path}"]
+    cfg = config.load(overrides, train.DEFAULTS)
+    recipe = recipes.load("dqn")
+    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env, 1, seed=0))
+    checkpoint.save_agent(tmp_path / checkpoint.FINAL, cfg, agent)
+    assert evaluate.main([f"checkpoint={tmp_path}", "episodes=1", "video=true"]) == 0
+    (video,) = (tmp_path / "videos").glob("*.mp4")
+    assert video.stat().st_size > 10_000  # 800 colour frames of the game, not an empty file
+    record = json.loads((tmp_path / "evaluation.json").read_text())
+    assert record["episodes"] == 1 and -21 <= record["returns"][0] <= 0

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import checkpoint, config, recipes
-from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.envs import make_env
 
 from .conftest import load_script
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import ppo
 
 from .conftest import collect_one_batch

@@ -1,14 +1,17 @@
-"""The SAC recipe's wiring on a tiny batch, without any distribution."""
+"""The SAC recipe's wiring on a tiny batch, without any distribution; its run on MuJoCo
+through 3 ranks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import sac
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
-from .conftest import collect_one_batch
+from .conftest import collect_one_batch, family_run
 
 
 def make_agent_and_batch(batch_size: int = 32):
@@ -69,3 +72,10 @@ def test_target_critics_follow_the_critics_by_polyak_averaging():
     tau = agent.cfg.tau
     expected = old_targets.apply(lambda old, new: (1 - tau) * old + tau * new, critics.data)
     torch.testing.assert_close(targets.data, expected)
+
+
+@pytest.mark.slow
+def test_sac_on_mujoco_through_three_ranks_trains_on_float32(tmp_path):
+    summary, batch = family_run(tmp_path, "sac", "Hopper-v5", "algo.hidden_sizes=[32,32]")
+    assert batch["observation"].dtype == torch.float32 and batch["observation"].shape == (4, 11)
+    assert OmegaConf.load(tmp_path / "config.yaml").algo.lr == 3e-4  # SAC's MuJoCo settings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from {{ cookiecutter.package_name }}.collector import make_env
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import td3
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 

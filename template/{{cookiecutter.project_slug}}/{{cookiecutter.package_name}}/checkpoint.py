@@ -41,6 +41,7 @@ def save_agent(path: Path, cfg: DictConfig, agent: torch.nn.Module) -> Path:
     state = {
         "recipe": cfg.recipe,
         "env_id": cfg.env.id,
+        "env": OmegaConf.to_container(cfg.env),
         "algo": OmegaConf.to_container(cfg.algo),
         "agent": {key: value.cpu() for key, value in agent.state_dict().items()},
     }
@@ -93,10 +94,10 @@ def agent_state(folder: Path) -> dict[str, Any]:
     """A training checkpoint in ``save_agent``'s form: the hyperparameters come from the
     ``config.yaml`` its run wrote."""
     meta = read_meta(folder)
-    algo = OmegaConf.load(run_dir_of(folder) / "config.yaml").algo
+    run_config = OmegaConf.load(run_dir_of(folder) / "config.yaml")
     weights = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)["agent"]
-    algo = OmegaConf.to_container(algo)
-    return {"recipe": meta["recipe"], "env_id": meta["env_id"], "algo": algo, "agent": weights}
+    algo, env = OmegaConf.to_container(run_config.algo), OmegaConf.to_container(run_config.env)
+    return {"recipe": meta["recipe"], "env_id": meta["env_id"], "env": env, "algo": algo, "agent": weights}
 
 
 def training_dir(run_dir: str | Path, frames: int) -> Path:

@@ -17,48 +17,18 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import gymnasium as gym
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torchrl.collectors import AsyncCollector, Collector
-from torchrl.envs import DoubleToFloat, EnvBase, GymWrapper, RewardSum
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from .config import ASYNC
+from .envs import life_loss_terminal, make_env
 from .watchdog import STOP_SIGNALS, RankFailure
 
 POLICY_VERSION = "policy_version"
-
-
-def make_env(env_id: str, num_envs: int, seed: int, device: torch.device | str = "cpu") -> EnvBase:
-    """``num_envs`` copies of ``env_id`` stepped as one batch in this process, as a torchrl env.
-
-    gymnasium's synchronous vector env avoids the subprocesses of ``GymEnv(num_envs=N)``,
-    which are slower for cheap environments. Autoreset is left to torchrl (gymnasium's
-    ``DISABLED`` mode): torchrl then resets the finished copies through a mask, where
-    same-step autoreset costs a Python loop over the copies at every step.
-    """
-    vector_env = gym.make_vec(
-        env_id,
-        num_envs=num_envs,
-        vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
-    )
-    return as_torchrl(vector_env, seed, device)
-
-
-def as_torchrl(gym_env: gym.Env, seed: int, device: torch.device | str = "cpu") -> EnvBase:
-    """A gymnasium env as a seeded torchrl env whose steps carry ``episode_reward``, the
-    return so far, from which the learner reads the returns of finished episodes."""
-    # A wrapped vector env is already a TransformedEnv and appends in place; any other env
-    # comes back wrapped in a new one: use what append_transform returns.
-    env = GymWrapper(gym_env, device=device).append_transform(RewardSum())
-    if env.observation_spec["observation"].dtype == torch.float64:  # MuJoCo's: networks are float32
-        env = env.append_transform(DoubleToFloat(in_keys=["observation"]))
-    env.set_seed(seed)
-    return env
 
 
 def make_collector(
@@ -76,12 +46,13 @@ def make_collector(
     Settings measured for speed (benchmarks/collection.py): no trajectory ids (nothing
     reads them), and no policy transforms registered behind the recipe's back.
     """
-    make = functools.partial(make_env, cfg.env.id, cfg.env.num_envs, seed)
+    make = functools.partial(make_env, OmegaConf.to_container(cfg.env), cfg.env.num_envs, seed)
     settings = {
         "frames_per_batch": frames_per_batch or cfg.collector.frames_per_batch,
         "total_frames": total_frames,
         "storing_device": "cpu",
         "env_device": "cpu",
+        "postproc": life_loss_terminal if cfg.env.get("life_loss", False) else None,
     }
     if cfg.collector.mode == ASYNC:
         # The child acts with a CPU copy of the policy in shared memory: it never touches the

@@ -3,7 +3,8 @@
 OmegaConf checks names and types against the dataclasses below, so a misspelt key or a
 value of the wrong type is refused before any rank starts. The recipe's hyperparameters
 (its ``Config`` dataclass) are mounted under ``algo``; its ``RUN_DEFAULTS`` (environment,
-frames per batch, total frames) sit under config.yaml, so either can override them.
+frames per batch, total frames) and, for runs on an env of a family it has settings for,
+its ``FAMILY_DEFAULTS[family]`` sit under config.yaml, so either can override them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import recipes
+from . import envs, recipes
 
 # Fabric's own loggers and two of Lightning's experiment trackers (extras [wandb], [mlflow]).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
@@ -35,6 +35,11 @@ class ConfigError(ValueError):
 class EnvConfig:
     id: str = MISSING
     num_envs: int = MISSING
+    vectorization: str = MISSING
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # False unless the recipe's defaults for the env's family (or the user) turn them on.
+    clip_rewards: bool = False
+    life_loss: bool = False
 
 
 @dataclass
@@ -129,11 +134,19 @@ def load(overrides: list[str], defaults: Path) -> DictConfig:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         # Lowest to highest: the schema (the recipe's Config under algo), the recipe's run
-        # defaults (its env, frames per batch, ...), config.yaml, the command line.
+        # defaults (its env, frames per batch, ...), its defaults for the family of the
+        # chosen env (Atari, MuJoCo, ...), config.yaml, the command line.
+        env_id = OmegaConf.merge(recipe.RUN_DEFAULTS, file, cli).env.id
+        try:
+            family = envs.family_of(env_id)
+        except envs.EnvUnavailable as error:
+            raise ConfigError(str(error)) from None
         cfg = OmegaConf.structured(RunConfig)
         cfg.algo = OmegaConf.structured(recipe.Config)
         OmegaConf.set_struct(cfg, True)
-        cfg = OmegaConf.merge(cfg, recipe.RUN_DEFAULTS, file, cli)
+        OmegaConf.set_struct(cfg.env.kwargs, False)  # any keyword the env takes
+        family_defaults = getattr(recipe, "FAMILY_DEFAULTS", {}).get(family, {})
+        cfg = OmegaConf.merge(cfg, recipe.RUN_DEFAULTS, family_defaults, file, cli)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"config keys without a value: {', '.join(missing)}")
@@ -202,20 +215,16 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"loggers: {tracker} is not installed (pip install -e '.[{tracker}]')")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
-    if not registered(cfg.env.id):
-        raise ConfigError(f"unknown env id '{cfg.env.id}' (not registered with gymnasium)")
-
-
-def registered(env_id: str) -> bool:
-    """Whether gymnasium knows ``env_id``. Its ``module:EnvId`` form names a module to import
-    first, which registers the environment (as ``gym.make`` does with it)."""
-    module, _, name = env_id.rpartition(":")
-    if module:
-        try:
-            importlib.import_module(module)
-        except ImportError as error:
-            raise ConfigError(f"env.id '{env_id}': cannot import module '{module}' ({error})") from None
-    return name in gym.registry
+    if cfg.env.vectorization not in envs.VECTORIZATIONS:
+        choices = ", ".join(envs.VECTORIZATIONS)
+        raise ConfigError(f"env.vectorization must be one of {choices}, got '{cfg.env.vectorization}'")
+    try:
+        family = envs.family_of(cfg.env.id)
+        envs.vectorization_of(cfg.env.vectorization, cfg.env.id)
+    except envs.EnvUnavailable as error:
+        raise ConfigError(str(error)) from None
+    if cfg.env.life_loss and family != envs.ATARI:
+        raise ConfigError(f"env.life_loss is for Atari games ({cfg.env.id} is not one)")
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:

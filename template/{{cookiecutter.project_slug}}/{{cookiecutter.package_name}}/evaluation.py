@@ -1,43 +1,42 @@
-"""Greedy evaluation: the policy without exploration noise, on fresh environments."""
+"""Greedy evaluation: the policy without exploration noise, on fresh environments.
+
+Evaluation plays whole episodes of the env as the run's ``env`` config makes it (the same
+family preprocessing and vector backend as training), with raw rewards and no life-loss
+terminal: the returns are game scores.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-import gymnasium as gym
 import torch
 from tensordict.nn import TensorDictModuleBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from .collector import as_torchrl
-
-MAX_EPISODE_STEPS = 10_000
+from .envs import make_env, make_video_env, max_episode_steps
 
 
 def evaluate(
-    policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, device: torch.device
+    policy: TensorDictModuleBase, env: Mapping[str, Any], episodes: int, seed: int, device: torch.device
 ) -> list[float]:
     """Returns of ``episodes`` greedy episodes, run side by side as one batch of envs.
 
     The rollout stops once every copy has finished its first episode (torchrl's partial
     steps stop stepping a copy that is done). torchrl still hands a finished copy's action
-    to gymnasium, which refuses it unless it resets copies itself: same-step autoreset.
+    to gymnasium, which refuses it unless it resets copies itself: same-step autoreset
+    (``make_env(training=False)``).
     """
-    vector_env = gym.make_vec(
-        env_id,
-        num_envs=episodes,
-        vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-    )
-    env = as_torchrl(vector_env, seed, device)
-    # The spec gymnasium made the env from: gym.spec() refuses the ``module:EnvId`` form.
-    max_steps = vector_env.spec.max_episode_steps or MAX_EPISODE_STEPS
+    eval_env = make_env(env, episodes, seed, device, training=False)
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
-            rollout = env.rollout(max_steps, policy, break_when_any_done=False, break_when_all_done=True)
+            rollout = eval_env.rollout(
+                max_episode_steps(env["id"]), policy, break_when_any_done=False, break_when_all_done=True
+            )
     finally:
-        env.close()
+        eval_env.close()
     done = rollout["next", "done"].squeeze(-1)
     returns = rollout["next", "episode_reward"].squeeze(-1)
     # Each env's first episode ends at its first done (or is cut at max_steps).
@@ -45,7 +44,9 @@ def evaluate(
     return returns.gather(-1, last.unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def record(policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, folder: Path) -> list[float]:
+def record(
+    policy: TensorDictModuleBase, env: Mapping[str, Any], episodes: int, seed: int, folder: Path
+) -> list[float]:
     """Returns of ``episodes`` greedy episodes played one at a time, each recorded to an
     mp4 in ``folder`` by gymnasium's ``RecordVideo`` (needs moviepy, and pygame for the
     classic-control environments)."""
@@ -53,22 +54,13 @@ def record(policy: TensorDictModuleBase, env_id: str, episodes: int, seed: int, 
     # complains about the missing display on headless machines.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
-    recorder = gym.wrappers.RecordVideo(
-        gym.make(env_id, render_mode="rgb_array"),
-        str(folder),
-        # Episode 0 is the reset with which torchrl seeds the env: not an episode played.
-        episode_trigger=lambda episode: episode > 0,
-        name_prefix=env_id,
-        disable_logger=True,
-    )
-    env = as_torchrl(recorder, seed)
-    max_steps = recorder.spec.max_episode_steps or MAX_EPISODE_STEPS
+    video_env = make_video_env(env, str(folder), seed)
     returns = []
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
             for _ in range(episodes):
-                rollout = env.rollout(max_steps, policy)
+                rollout = video_env.rollout(max_episode_steps(env["id"]), policy)
                 returns.append(float(rollout["next", "episode_reward"][-1]))
     finally:
-        env.close()
+        video_env.close()
     return returns

@@ -33,8 +33,9 @@ from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, preemption
-from .collector import POLICY_VERSION, make_collector, make_env, next_batch
+from .collector import POLICY_VERSION, make_collector, next_batch
 from .config import ASYNC
+from .envs import make_env
 from .evaluation import evaluate
 from .replay import ReplayClient
 from .topology import Topology
@@ -142,7 +143,7 @@ class Learner:
         # The same seed on every learner gives identical initial weights (DDP also
         # broadcasts them from the first learner); the environments get their own seeds.
         seed_everything(cfg.seed, verbose=False)
-        spec_env = make_env(cfg.env.id, cfg.env.num_envs, seed=0)  # what the agent's layers are sized by
+        spec_env = make_env(cfg.env, cfg.env.num_envs, seed=0)  # what the agent's layers are sized by
         self.agent = run.recipe.Agent(self.algo, spec_env).to(run.device)
         spec_env.close()
         self.optimizers = self.agent.make_optimizers()
@@ -281,7 +282,7 @@ class Learner:
         cfg = self.run.cfg
         episodes = math.ceil(cfg.eval.episodes / self.run.learners)
         seed = cfg.seed + 1_000_000 + 1000 * self.index
-        return evaluate(self.agent.policy, cfg.env.id, episodes, seed, self.run.device)
+        return evaluate(self.agent.policy, cfg.env, episodes, seed, self.run.device)
 
     def save_checkpoint(self, replay: ReplayClient | None) -> None:
         # The rows reported so far belong with the checkpoint: wait until rank 0 has them.

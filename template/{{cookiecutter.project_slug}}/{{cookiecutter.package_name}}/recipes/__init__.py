@@ -7,6 +7,10 @@ package, so it can be read, linted and tested on its own. It defines:
     The run settings this algorithm comes with (``env.id``, ``env.num_envs``,
     ``collector.frames_per_batch``, ``total_frames``, and ``algo`` values that depend on
     them, such as ``"${total_frames}"``); config.yaml and the command line override them.
+``FAMILY_DEFAULTS`` (optional)
+    Run settings and ``algo`` values for env families (``"atari"``, ``"minatar"``,
+    ``"mujoco"``; see ``envs.py``), merged over ``RUN_DEFAULTS`` when ``env.id`` is of
+    that family: the standard setups, such as DQN's on Atari.
 ``Config``
     A dataclass of hyperparameters with defaults, mounted at ``algo`` in the run config.
     Replay recipes need ``batch_size``, ``updates_per_batch`` and ``learning_starts``;

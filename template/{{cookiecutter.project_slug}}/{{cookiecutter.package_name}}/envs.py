@@ -1,0 +1,298 @@
+"""Environments by family: which library makes them, how they are preprocessed and batched.
+
+``env.id`` names any registered gymnasium env; its family (read from the id's registered
+entry point) decides the standard treatment:
+
+- ``atari`` (``ALE/Pong-v5``, ...; extra ``[atari]``): the DQN-paper preprocessing, done
+  by ale-py itself: 30 no-op starts, 4 frames skipped with a max-pool over the last two,
+  84x84 grey, the last 4 frames stacked, newest last: ``uint8 (4, 84, 84)``. Rewards and
+  ``episode_reward`` are the raw game score; ``env.clip_rewards`` and ``env.life_loss``
+  change what training sees (clipped rewards, a life lost as a terminal state) and never
+  what is reported or evaluated.
+- ``minatar`` (``MinAtar/Breakout-v1``, ...; extra ``[minatar]``): the ``10x10xC`` bool
+  grid as ``uint8 (C, 10, 10)``, channels first as convolutions want them.
+- ``mujoco`` (``HalfCheetah-v5``, ...; extra ``[mujoco]``): float64 observations as float32.
+- ``other``: anything else (classic control, your own envs), as gymnasium makes it.
+
+``env.vectorization`` picks how one learner's ``env.num_envs`` copies are stepped:
+``sync`` (one process, gymnasium's ``SyncVectorEnv``), ``async`` (a subprocess per copy,
+``AsyncVectorEnv``), ``ale`` (ale-py's native ``AtariVectorEnv``, threads in C++; Atari
+only), or ``auto``: ``ale`` for Atari, ``sync`` for the rest (README, "Environments",
+has the measurements behind the rule).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from torchrl.data import Unbounded
+from torchrl.envs import (
+    DoubleToFloat,
+    DTypeCastTransform,
+    EnvBase,
+    GymWrapper,
+    PermuteTransform,
+    RewardClipping,
+    RewardSum,
+)
+from torchrl.envs.libs.gym import default_info_dict_reader
+
+ATARI, MINATAR, MUJOCO, OTHER = "atari", "minatar", "mujoco", "other"
+SYNC, ASYNC, ALE, AUTO = "sync", "async", "ale", "auto"
+VECTORIZATIONS = (AUTO, SYNC, ASYNC, ALE)
+# The module a family needs, and the project's extra that installs it.
+NEEDS = {ATARI: ("ale_py", "atari"), MINATAR: ("minatar", "minatar"), MUJOCO: ("mujoco", "mujoco")}
+# Id namespaces registered only once their package is imported: a missing package then
+# shows as an unregistered id, and the namespace says which extra would register it.
+NAMESPACES = {"ALE": ATARI, "MinAtar": MINATAR}
+ENTRY_POINTS = {"ale_py": ATARI, "minatar": MINATAR, "gymnasium.envs.mujoco": MUJOCO}
+# The DQN paper's preprocessing (Mnih et al. 2015, as in Machado et al. 2018 and CleanRL).
+FRAME_SKIP, FRAME_STACK, SCREEN_SIZE, NOOP_MAX = 4, 4, 84, 30
+LIVES = "lives"
+MAX_EPISODE_STEPS = 10_000  # for envs whose registration sets no limit
+
+
+class EnvUnavailable(ValueError):
+    """An env id that is not registered, or whose family's package is not installed."""
+
+
+def family_of(env_id: str) -> str:
+    """The family of a registered env id; EnvUnavailable names the pip command when the
+    family's package is missing."""
+    name = registered_name(env_id)
+    if name not in gym.registry:
+        register_installed_envs()
+    if name not in gym.registry:
+        family = NAMESPACES.get(name.split("/")[0]) if "/" in name else None
+        if family is not None:
+            raise missing_extra(env_id, family)
+        raise EnvUnavailable(f"unknown env id '{env_id}' (not registered with gymnasium)")
+    entry_point = gym.spec(name).entry_point
+    entry_point = entry_point if isinstance(entry_point, str) else entry_point.__module__
+    family = next((fam for prefix, fam in ENTRY_POINTS.items() if entry_point.startswith(prefix)), OTHER)
+    if family in NEEDS and not installed(NEEDS[family][0]):
+        raise missing_extra(env_id, family)
+    return family
+
+
+def registered_name(env_id: str) -> str:
+    """``env_id`` without gymnasium's ``module:EnvId`` prefix, once that module is imported
+    (it registers the env, as ``gym.make`` imports it first); ``gym.spec`` refuses the form."""
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise EnvUnavailable(f"env.id '{env_id}': cannot import module '{module}' ({error})") from None
+    return name
+
+
+def missing_extra(env_id: str, family: str) -> EnvUnavailable:
+    module, extra = NEEDS[family]
+    return EnvUnavailable(f"env.id={env_id} needs {module}: pip install -e '.[{extra}]'")
+
+
+def installed(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def register_installed_envs() -> None:
+    """Register the ids of the env packages that are installed: ale-py and minatar register
+    theirs only when asked (gymnasium 1.x loads no plugins by itself). Called for ids not
+    registered yet: importing minatar takes seconds (it imports seaborn)."""
+    if installed("ale_py"):
+        import ale_py
+
+        gym.register_envs(ale_py)
+    if installed("minatar.gym"):
+        import minatar.gym
+
+        minatar.gym.register_envs()
+
+
+def vectorization_of(requested: str, env_id: str) -> str:
+    """``auto`` resolved by the measured rule: ale-py's own vector env is the fastest for
+    Atari; for the rest, subprocesses cost more than cheap envs take to step."""
+    family = family_of(env_id)
+    if requested == AUTO:
+        return ALE if family == ATARI else SYNC
+    if requested == ALE and family != ATARI:
+        raise EnvUnavailable(f"env.vectorization=ale is for Atari games ({env_id} is not one)")
+    return requested
+
+
+def make_env(
+    env: str | Mapping[str, Any],
+    num_envs: int,
+    seed: int,
+    device: torch.device | str = "cpu",
+    training: bool = True,
+) -> EnvBase:
+    """``num_envs`` copies of an env stepped as one batch, as a seeded torchrl env.
+
+    ``env`` is an env id or the run's ``env`` config (``id``, ``vectorization``, ``kwargs``,
+    ``clip_rewards``, ``life_loss``); missing keys take their defaults. ``training=False``
+    (evaluation) leaves rewards raw and resets each copy within the step that ends its
+    episode (gymnasium's same-step autoreset), which evaluation's rollout needs.
+    """
+    env = {"id": env} if isinstance(env, str) else env
+    env_id = env["id"]
+    family = family_of(env_id)
+    backend = vectorization_of(env.get("vectorization", AUTO), env_id)
+    kwargs = dict(env.get("kwargs") or {})
+    # ale-py's vector env has no disabled mode. Elsewhere autoreset is left to torchrl
+    # (gymnasium's DISABLED mode): it resets finished copies through a mask, where same-step
+    # autoreset costs a Python loop over the copies at every step.
+    same_step = backend == ALE or not training
+    autoreset = gym.vector.AutoresetMode.SAME_STEP if same_step else gym.vector.AutoresetMode.DISABLED
+    if backend == ALE:
+        vector_env = gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode="vector_entry_point",
+            autoreset_mode=autoreset,
+            **atari_vector_settings(kwargs),
+        )
+    else:
+        vector_env = gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode=backend,
+            vector_kwargs={"autoreset_mode": autoreset},
+            wrappers=[atari_preprocessing] if family == ATARI else None,
+            **(atari_single_settings(kwargs) if family == ATARI else kwargs),
+        )
+    life_loss = training and env.get("life_loss", False)
+    torchrl_env = as_torchrl(vector_env, seed, device, family, read_lives=life_loss)
+    if training and env.get("clip_rewards", False):
+        # After RewardSum: episode_reward keeps the raw score, training sees the clipped one.
+        torchrl_env = torchrl_env.append_transform(RewardClipping(-1.0, 1.0))
+    return torchrl_env
+
+
+def atari_vector_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """ale-py's vector env, set as gymnasium's wrappers below preprocess single envs, so
+    that every backend, evaluation and the videos play the same game: raw rewards (clipped
+    later, for training only), no life-loss terminal (added later, for training only), no
+    FIRE pressed at reset (gymnasium's AtariPreprocessing has none; Machado et al. 2018
+    advise against it too)."""
+    settings = {
+        "stack_num": FRAME_STACK,
+        "img_height": SCREEN_SIZE,
+        "img_width": SCREEN_SIZE,
+        "noop_max": NOOP_MAX,
+        "reward_clipping": False,
+        "episodic_life": False,
+        "use_fire_reset": False,
+    }
+    return {**settings, **kwargs}
+
+
+def atari_single_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The emulator steps single frames: AtariPreprocessing skips and max-pools them."""
+    return {**kwargs, "frameskip": 1}
+
+
+def atari_preprocessing(env: gym.Env) -> gym.Env:
+    """The preprocessing of ale-py's vector env, from gymnasium's wrappers, for one env."""
+    env = gym.wrappers.AtariPreprocessing(
+        env, noop_max=NOOP_MAX, frame_skip=FRAME_SKIP, screen_size=SCREEN_SIZE, terminal_on_life_loss=False
+    )
+    return gym.wrappers.FrameStackObservation(env, FRAME_STACK)
+
+
+def as_torchrl(
+    gym_env: gym.Env,
+    seed: int,
+    device: torch.device | str = "cpu",
+    family: str = OTHER,
+    read_lives: bool = False,
+) -> EnvBase:
+    """A gymnasium env as a seeded torchrl env whose steps carry ``episode_reward``, the
+    return so far, from which the learner reads the returns of finished episodes.
+    ``read_lives``: steps also carry the Atari game's ``lives`` (for ``life_loss_terminal``)."""
+    env = GymWrapper(gym_env, device=device)
+    if read_lives and LIVES not in env.observation_spec.keys():
+        # torchrl reads every info key of a same-step autoreset env (ale-py's) by itself;
+        # gymnasium's vector envs in DISABLED mode need a reader for ``lives``.
+        spec = Unbounded(shape=env.batch_size, dtype=torch.int64)
+        env.set_info_dict_reader(default_info_dict_reader([LIVES], spec={LIVES: spec}))
+    # A wrapped vector env may already be a TransformedEnv and appends in place; any other
+    # env comes back wrapped in a new one: use what append_transform returns.
+    env = env.append_transform(RewardSum())
+    dtype = env.observation_spec["observation"].dtype
+    if dtype == torch.float64:  # MuJoCo's: networks are float32
+        env = env.append_transform(DoubleToFloat(in_keys=["observation"]))
+    if family == MINATAR:
+        # Bool grids, channels last: uint8 (one byte, like Atari's pixels), channels first.
+        env = env.append_transform(DTypeCastTransform(torch.bool, torch.uint8, in_keys=["observation"]))
+        env = env.append_transform(PermuteTransform((-1, -3, -2), in_keys=["observation"]))
+    env.set_seed(seed)
+    return env
+
+
+def life_loss_terminal(batch: TensorDictBase) -> TensorDictBase:
+    """A collector batch in which losing a life is a terminal state (``("next",
+    "terminated")``), for the value targets, while ``done`` still marks the game's end.
+
+    Done after collection, on the batch: a terminal signal inside the env would make torchrl
+    reset the game, and torchrl's ``EndOfLifeTransform`` reads the lives of a single ALE
+    env, which ale-py's vector env does not expose (its ``info`` does: ``lives``).
+    """
+    lost = batch["next", LIVES] < batch[LIVES]
+    terminated = batch["next", "terminated"]
+    batch["next", "terminated"] = terminated | lost.reshape(terminated.shape)
+    return batch
+
+
+def max_episode_steps(env_id: str) -> int:
+    return gym.spec(registered_name(env_id)).max_episode_steps or MAX_EPISODE_STEPS
+
+
+def make_video_env(env: Mapping[str, Any], folder: str, seed: int) -> EnvBase:
+    """One copy of the env, each episode recorded to an mp4 in ``folder`` by gymnasium's
+    ``RecordVideo`` (needs moviepy; pygame for classic control). The recorder sees the
+    game as rendered (Atari: the colour screen at every emulator frame), the agent the
+    preprocessed observations, as in training."""
+    env_id = env["id"]
+    family = family_of(env_id)
+    kwargs = dict(env.get("kwargs") or {})
+    if family == ATARI:
+        kwargs = atari_single_settings(kwargs)
+    game = gym.make(env_id, render_mode="rgb_array", **kwargs)
+    if family == MINATAR:
+        game = MinAtarFrames(game)
+    recorder = gym.wrappers.RecordVideo(
+        game,
+        folder,
+        # Episode 0 is the reset with which torchrl seeds the env: not an episode played.
+        episode_trigger=lambda episode: episode > 0,
+        name_prefix=env_id.replace("/", "-"),
+        disable_logger=True,
+    )
+    if family == ATARI:
+        recorder = atari_preprocessing(recorder)
+    return as_torchrl(recorder, seed, family=family)
+
+
+class MinAtarFrames(gym.Wrapper):
+    """MinAtar renders its 10x10 grid as float RGB in [0, 1]; video encoders want uint8 at a
+    size players can see. No gymnasium wrapper scales renders, hence this one."""
+
+    SCALE = 32
+
+    def render(self) -> np.ndarray:
+        frame = (np.asarray(self.env.render()) * 255).astype(np.uint8)
+        return frame.repeat(self.SCALE, axis=0).repeat(self.SCALE, axis=1)
