@@ -67,8 +67,10 @@ def test_epsilon_anneals_in_closed_form_and_checkpoints_keep_it():
 @pytest.mark.slow
 def test_dqn_on_atari_through_three_ranks_keeps_uint8_frame_stacks(tmp_path):
     summary, batch = family_run(tmp_path, "dqn", "ALE/Pong-v5", ATARI_SHORT)
-    for key in ("observation", ("next", "observation")):
-        assert batch[key].dtype == torch.uint8 and batch[key].shape == (4, 4, 84, 84)
+    # The shard keeps each frame once and samples a transition's two stacks as one tensor:
+    # its observation's four frames and the next observation's newest.
+    assert "observation" not in batch.keys()
+    assert batch["pixels"].dtype == torch.uint8 and batch["pixels"].shape == (4, 5, 84, 84)
     resolved = OmegaConf.load(tmp_path / "config.yaml")
     # DQN's Atari settings (CleanRL's) came with the env id, with the command line on top.
     assert resolved.env.life_loss and resolved.env.clip_rewards and resolved.algo.lr == 1e-4
