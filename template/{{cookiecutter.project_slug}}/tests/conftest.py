@@ -14,10 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from torchrl.collectors import Collector
 
 from {{ cookiecutter.package_name }} import recipes
+from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -213,6 +215,19 @@ def family_run(tmp_path: Path, recipe: str, env_id: str, *extra: str) -> tuple[d
     checksums = set(summary["learner_param_checksums"].values())
     assert len(checksums) == 1  # the learners stayed identical
     return summary, replay_sample(tmp_path, recipes.load(recipe).Agent.priority_key)
+
+
+def pendulum_agent_and_batch(recipe, batch_size: int = 32):
+    """A continuous-action replay recipe's small agent on 4 copies of Pendulum, the 128
+    frames its policy collected, and a prioritized batch of ``batch_size`` sampled from them."""
+    torch.manual_seed(0)
+    env = make_env("Pendulum-v1", num_envs=4, seed=0)
+    agent = recipe.Agent(recipe.Config(hidden_sizes=[16], batch_size=batch_size), env)
+    frames = collect_one_batch(env, agent.policy, 128).reshape(-1)
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
+    shard.extend(frames.select(*agent.batch_keys))
+    batch, _, _ = shard.sample(batch_size)
+    return agent, frames, batch
 
 
 def collect_one_batch(env, policy, frames: int):

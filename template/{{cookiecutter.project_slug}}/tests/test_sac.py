@@ -7,32 +7,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import sac
-from {{ cookiecutter.package_name }}.replay import ReplayShard
 
-from .conftest import collect_one_batch, family_run
-
-
-def make_agent_and_batch(batch_size: int = 32):
-    torch.manual_seed(0)
-    env = make_env("Pendulum-v1", num_envs=4, seed=0)
-    agent = sac.Agent(sac.Config(hidden_sizes=[16], batch_size=batch_size), env)
-    frames = collect_one_batch(env, agent.policy, 128).reshape(-1)
-    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
-    shard.extend(frames.select(*agent.batch_keys))
-    batch, _, _ = shard.sample(batch_size)
-    return agent, frames, batch
+from .conftest import family_run, pendulum_agent_and_batch
 
 
 def test_actions_stay_within_the_action_space():
-    _, frames, _ = make_agent_and_batch()
+    _, frames, _ = pendulum_agent_and_batch(sac)
     assert frames["action"].abs().max() <= 2.0  # Pendulum's torque bound
     assert frames["action"].std() > 0.1  # the collector samples: it explores
 
 
 def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities():
-    agent, frames, batch = make_agent_and_batch()
+    agent, frames, batch = pendulum_agent_and_batch(sac)
     loss, metrics = agent(batch)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert set(metrics) == {"loss_actor", "loss_qvalue", "alpha", "entropy"}
@@ -59,7 +46,7 @@ def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities()
 
 
 def test_target_critics_follow_the_critics_by_polyak_averaging():
-    agent, _, batch = make_agent_and_batch()
+    agent, _, batch = pendulum_agent_and_batch(sac)
     critics = agent.loss_module.qvalue_network_params
     targets = agent.loss_module.target_qvalue_network_params
     torch.testing.assert_close(targets.data, critics.data)  # they start equal

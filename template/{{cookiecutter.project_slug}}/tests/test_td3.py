@@ -5,26 +5,13 @@ from __future__ import annotations
 import torch
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import td3
-from {{ cookiecutter.package_name }}.replay import ReplayShard
 
-from .conftest import collect_one_batch
-
-
-def make_agent_and_batch(batch_size: int = 32):
-    torch.manual_seed(0)
-    env = make_env("Pendulum-v1", num_envs=4, seed=0)
-    agent = td3.Agent(td3.Config(hidden_sizes=[16], batch_size=batch_size), env)
-    frames = collect_one_batch(env, agent.policy, 128).reshape(-1)
-    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
-    shard.extend(frames.select(*agent.batch_keys))
-    batch, _, _ = shard.sample(batch_size)
-    return agent, frames, batch
+from .conftest import pendulum_agent_and_batch
 
 
 def test_the_collector_explores_around_the_actor_and_evaluation_does_not():
-    agent, frames, _ = make_agent_and_batch()
+    agent, frames, _ = pendulum_agent_and_batch(td3)
     assert frames["action"].abs().max() <= 2.0  # Pendulum's torque bound
     probe = frames[:16].select("observation")
     with set_exploration_type(ExplorationType.DETERMINISTIC):
@@ -59,7 +46,7 @@ def snapshot(agent) -> list[torch.Tensor]:
 
 
 def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_every_one():
-    agent, _, batch = make_agent_and_batch()
+    agent, _, batch = pendulum_agent_and_batch(td3)
     optimizers = agent.make_optimizers()
     moved = []
     for update in (1, 2, 3, 4):
@@ -79,7 +66,7 @@ def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_e
 def test_priorities_are_absolute_td_errors():
     """torchrl's TD3Loss writes the larger squared TD error of the twin critics; prioritized
     replay wants its magnitude."""
-    agent, _, batch = make_agent_and_batch()
+    agent, _, batch = pendulum_agent_and_batch(td3)
     squared = batch.clone()
     torch.manual_seed(1)  # the same target-policy smoothing noise for both
     agent.loss_module(squared)
