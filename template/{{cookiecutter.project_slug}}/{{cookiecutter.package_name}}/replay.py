@@ -18,12 +18,17 @@ on across collector batches; at an episode start the env's own reset stack is st
 whole (ale-py fills it with zeros), so no frame of an earlier episode can enter a stack.
 torchrl's prioritized samplers draw whole stored rows (``PrioritizedSliceSampler``:
 slices of trajectories), not single transitions over shared frames: that part is ours.
+
+A checkpoint's shards resume on another number of shards (``ReplayShard.restore``): each
+new shard reads every saved one and keeps its part, each transition with its priority and
+the frames it needs, so the buffer goes on as it was, spread over the new shards.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import math
 import threading
 import uuid
@@ -35,6 +40,7 @@ from tensordict import MemoryMappedTensor, TensorDictBase
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 from torchrl.data.replay_buffers import Storage
 
+log = logging.getLogger(__name__)
 GENERATION = "generation"
 SHARD = "shard"
 WEIGHT = "priority_weight"
@@ -47,6 +53,9 @@ POSITION = "frame_position"
 MEMORY, MEMMAP = "memory", "memmap"  # replay.storage
 # A sampled transition whose frames were overwritten is drawn again, this many times at most.
 REDRAWS = 20
+# The stamp of a frame that no store holds: a restored transition whose frames were
+# overwritten before the checkpoint keeps its place and priority, and is never sampled.
+LOST = -(2**62)
 
 
 def make_storage(kind: str, capacity: int, directory: str | Path | None) -> Storage:
@@ -186,6 +195,56 @@ class ReplayShard:
             self.inserted, self.stale_updates = counts["inserted"], counts["stale_updates"]
             self.frames.load(Path(folder), counts["frames_written"], tuple(counts["frame_shape"]))
 
+    def restore(self, saved: Sequence[str | Path], part: int, parts: int) -> None:
+        """Go on from a checkpoint's shards (their folders, ``saved``) as shard ``part`` of
+        ``parts``. With as many shards as were saved, each loads its own. Otherwise each
+        reads every saved shard and keeps its part (``deal``): transitions that share frames
+        stay together, and each goes with its priority and its frames. Write counts that
+        are totals over the shards (``inserted``, ``stale_updates``) are split between the
+        parts, so their sums stay as they were. Streams start anew, as after ``load``.
+        """
+        if len(saved) == parts:
+            self.load(str(saved[part]))
+            return
+        loads = torch.zeros(parts, dtype=torch.long)  # transitions dealt to each part so far
+        inserted = stale_updates = 0
+        with self._lock:
+            for folder in saved:
+                source = SavedShard(Path(folder), self.buffer.priority_key)
+                inserted += source.counts["inserted"]
+                stale_updates += source.counts["stale_updates"]
+                mine = deal(source.groups(), loads) == part
+                self._write_restored(source, mine)
+            self.inserted = inserted // parts + (part < inserted % parts)
+            self.stale_updates = stale_updates // parts + (part < stale_updates % parts)
+
+    def _write_restored(self, source: SavedShard, mine: torch.Tensor) -> None:
+        """Append the rows of ``source`` picked by ``mine``, oldest first, with their
+        priorities; frame-stacked rows bring the frames they name, each once."""
+        rows, priorities = source.rows[mine], source.priorities[mine]
+        capacity = len(self.generation)
+        if len(rows) > capacity:
+            log.warning(
+                "replay shard %d: %d saved transitions do not fit its capacity of %d: the oldest are left out",
+                self.shard, len(rows), capacity,
+            )  # fmt: skip
+            rows, priorities = rows[-capacity:], priorities[-capacity:]
+        if len(rows) == 0:
+            return
+        if FRAMES in rows.keys():
+            stamps = rows[FRAMES]
+            held = source.holds(stamps)
+            needed = stamps[held].unique()  # sorted: oldest frame first
+            first = self.frames.written
+            # At most a store's worth per write: slots must not repeat within one write.
+            for chunk in needed.split(self.frames.capacity):
+                self.frames.write(source.read(chunk))
+            renamed = first + torch.searchsorted(needed, stamps)
+            rows[FRAMES] = torch.where(held.unsqueeze(-1), renamed, torch.full_like(stamps, LOST))
+        index = self.buffer.extend(rows, update_priority=False)
+        self.buffer.update_priority(index, priorities)
+        self.generation[index] += 1
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"size": len(self.buffer), "inserted": self.inserted, "stale_updates": self.stale_updates}
@@ -199,6 +258,90 @@ class ReplayShard:
             return 0.0, math.inf
         sampler = self.buffer.sampler
         return float(sampler._sum_tree.query(0, size)), float(sampler._min_tree.query(0, size))
+
+
+class SavedShard:
+    """A shard as a checkpoint holds it, read for ``ReplayShard.restore``: its rows oldest
+    first, their priorities, and its frames, read from the file only where needed."""
+
+    def __init__(self, folder: Path, priority_key: str) -> None:
+        self.counts = torch.load(folder / "shard.pt", weights_only=True)
+        generation = self.counts["generation"]
+        capacity = len(generation)
+        buffer = TensorDictPrioritizedReplayBuffer(
+            alpha=1.0, beta=1.0, storage=LazyTensorStorage(capacity), priority_key=priority_key
+        )
+        buffer.loads(folder)
+        # Oldest first: a slot written in an earlier round of the circular writer, and
+        # within a round, a lower slot. The shard's own write counts say which round.
+        written = torch.nonzero(generation).squeeze(-1)
+        slots = written[torch.argsort(generation[written] * capacity + written)]
+        self.rows = buffer[slots].exclude("index")
+        self.priorities = stored_priorities(buffer, slots)
+        self.capacity = capacity  # of frames too, as ReplayShard makes its FrameStore
+        self.written = self.counts["frames_written"]
+        self.frame_shape = tuple(self.counts["frame_shape"])
+        self.frames = None
+        if self.written:
+            kept = min(self.written, capacity)
+            self.frames = MemoryMappedTensor.from_filename(
+                folder / "frames.memmap", dtype=torch.uint8, shape=(kept, math.prod(self.frame_shape))
+            )
+
+    def holds(self, stamps: torch.Tensor) -> torch.Tensor:
+        return stamps.min(-1).values >= self.written - self.capacity
+
+    def read(self, stamps: torch.Tensor) -> torch.Tensor:
+        return self.frames.index_select(0, stamps % self.capacity).view(-1, *self.frame_shape)
+
+    def groups(self) -> torch.Tensor:
+        """A group per row: rows that share frames (one env copy's steps of an episode:
+        each observation is the previous one moved on by a frame) name the same group, the
+        position of its oldest row; other rows are groups of their own."""
+        count = len(self.rows)
+        own = torch.arange(count)
+        if FRAMES not in self.rows.keys() or count == 0:
+            return own
+        stamps = self.rows[FRAMES]
+        # A row goes on from the row whose observation's second frame is its first.
+        seconds, order = stamps[:, 1].sort()
+        at = torch.searchsorted(seconds, stamps[:, 0]).clamp(max=count - 1)
+        previous = torch.where(seconds[at] == stamps[:, 0], order[at], own)
+        while True:  # pointer jumping: every row reaches its group's first in log2(rows) rounds
+            further = previous[previous]
+            if torch.equal(further, previous):
+                return previous
+            previous = further
+
+
+def stored_priorities(buffer: TensorDictPrioritizedReplayBuffer, slots: torch.Tensor) -> torch.Tensor:
+    """The priorities of ``slots``, as given to ``update_priority``. torchrl keeps them
+    transformed, ``(p + eps) ** alpha``, in its sampler's sum tree, which has no public
+    accessor (as in ``ReplayShard._mass``; tests/test_elastic.py fails loudly if this
+    changes); eps (1e-8) is below float32's resolution next to a priority."""
+    alpha = buffer.sampler.alpha
+    if alpha == 0:  # every priority counts the same: any value restores it
+        return torch.ones(len(slots))
+    return buffer.sampler._sum_tree[slots] ** (1 / alpha)
+
+
+def deal(groups: torch.Tensor, loads: torch.Tensor) -> torch.Tensor:
+    """The part each row goes to: whole groups (``SavedShard.groups``), oldest first, each
+    to the part with the fewest rows so far (ties: the lowest part). ``loads`` counts the
+    rows of each part and is updated, so the shards of a checkpoint are dealt as one."""
+    firsts, group_of, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
+    if (sizes == 1).all():  # rows stored whole: round robin, from the least loaded part
+        ranked = torch.argsort(loads, stable=True)
+        owners = ranked[torch.arange(len(firsts)) % len(loads)]
+    else:
+        owners = torch.empty(len(firsts), dtype=torch.long)
+        totals = loads.tolist()
+        for group, size in enumerate(sizes.tolist()):
+            owner = min(range(len(totals)), key=totals.__getitem__)
+            owners[group] = owner
+            totals[owner] += size
+    loads += torch.bincount(owners, weights=sizes, minlength=len(loads)).long()
+    return owners[group_of]
 
 
 class FrameStore:
