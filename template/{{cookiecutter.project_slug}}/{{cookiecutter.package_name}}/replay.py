@@ -304,9 +304,10 @@ class SavedShard:
             return own
         stamps = self.rows[FRAMES]
         # A row goes on from the row whose observation's second frame is its first.
+        firsts = stamps[:, 0].contiguous()
         seconds, order = stamps[:, 1].sort()
-        at = torch.searchsorted(seconds, stamps[:, 0]).clamp(max=count - 1)
-        previous = torch.where(seconds[at] == stamps[:, 0], order[at], own)
+        at = torch.searchsorted(seconds, firsts).clamp(max=count - 1)
+        previous = torch.where(seconds[at] == firsts, order[at], own)
         while True:  # pointer jumping: every row reaches its group's first in log2(rows) rounds
             further = previous[previous]
             if torch.equal(further, previous):
@@ -381,7 +382,10 @@ class FrameStore:
     def save(self, folder: Path) -> None:
         if self.frames is not None:
             kept = min(self.written, self.capacity)
-            MemoryMappedTensor.from_tensor(self.frames[:kept], filename=folder / "frames.memmap")
+            # copy_existing: with replay.storage=memmap the frames already live in a file.
+            MemoryMappedTensor.from_tensor(
+                self.frames[:kept], filename=folder / "frames.memmap", copy_existing=True
+            )
 
     def load(self, folder: Path, written: int, frame_shape: tuple[int, ...]) -> None:
         self.written = written
