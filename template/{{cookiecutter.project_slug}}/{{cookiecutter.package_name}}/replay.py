@@ -56,6 +56,8 @@ REDRAWS = 20
 # The stamp of a frame that no store holds: a restored transition whose frames were
 # overwritten before the checkpoint keeps its place and priority, and is never sampled.
 LOST = -(2**62)
+# Added to every priority before the exponent (torchrl's default, named: ``stored_priorities`` takes it off).
+EPS = 1e-8
 
 
 def make_storage(kind: str, capacity: int, directory: str | Path | None) -> Storage:
@@ -84,6 +86,7 @@ class ReplayShard:
         self.buffer = TensorDictPrioritizedReplayBuffer(
             alpha=alpha,
             beta=beta,
+            eps=EPS,
             storage=make_storage(storage, capacity, folder and folder / "transitions"),
             priority_key=priority_key,
         )
@@ -317,13 +320,13 @@ class SavedShard:
 
 def stored_priorities(buffer: TensorDictPrioritizedReplayBuffer, slots: torch.Tensor) -> torch.Tensor:
     """The priorities of ``slots``, as given to ``update_priority``. torchrl keeps them
-    transformed, ``(p + eps) ** alpha``, in its sampler's sum tree, which has no public
+    transformed, ``(p + EPS) ** alpha``, in its sampler's sum tree, which has no public
     accessor (as in ``ReplayShard._mass``; tests/test_elastic.py fails loudly if this
-    changes); eps (1e-8) is below float32's resolution next to a priority."""
+    changes)."""
     alpha = buffer.sampler.alpha
     if alpha == 0:  # every priority counts the same: any value restores it
         return torch.ones(len(slots))
-    return buffer.sampler._sum_tree[slots] ** (1 / alpha)
+    return (buffer.sampler._sum_tree[slots].double() ** (1 / alpha) - EPS).clamp(min=0).float()
 
 
 def deal(groups: torch.Tensor, loads: torch.Tensor) -> torch.Tensor:
