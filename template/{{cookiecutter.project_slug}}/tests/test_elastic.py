@@ -70,9 +70,16 @@ def contents(shards: list[ReplayShard]) -> dict[int, float]:
     return found
 
 
+def assert_same_priorities(after: dict[int, float], before: dict[int, float]) -> None:
+    steps = sorted(before)
+    expected, found = torch.tensor([before[s] for s in steps]), torch.tensor([after[s] for s in steps])
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-12)
+
+
 def restored(folders: list[Path], parts: int, capacity: int, **options) -> list[ReplayShard]:
     """The shards a run with ``parts`` replay shards makes of ``folders``."""
-    shards = [ReplayShard(math.ceil(capacity / parts), ALPHA, BETA, "td_error", shard=i, **options) for i in range(parts)]
+    size = math.ceil(capacity / parts)
+    shards = [ReplayShard(size, ALPHA, BETA, "td_error", shard=i, **options) for i in range(parts)]
     for part, shard in enumerate(shards):
         shard.restore(folders, part, parts)
     return shards
@@ -91,7 +98,8 @@ def test_the_shards_priorities_are_read_back_as_they_were_set():
 @pytest.mark.parametrize(("saved", "parts"), [(1, 2), (2, 3), (3, 2), (2, 1)])
 def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_path, saved, parts):
     capacity = 300  # all shards together; the saved ones are full and have wrapped
-    shards = [ReplayShard(math.ceil(capacity / saved), ALPHA, BETA, "td_error", shard=i) for i in range(saved)]
+    size = math.ceil(capacity / saved)
+    shards = [ReplayShard(size, ALPHA, BETA, "td_error", shard=i) for i in range(saved)]
     client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=16, beta=BETA)
     transitions = cartpole_transitions(480)
     for batch in transitions.split(40):
@@ -110,10 +118,7 @@ def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_
     again = restored(saved_shards(tmp_path, shards), parts, capacity)
     after = contents(again)
     assert after.keys() == before.keys()  # every transition once, in one shard
-    steps = sorted(before)
-    torch.testing.assert_close(
-        torch.tensor([after[s] for s in steps]), torch.tensor([before[s] for s in steps]), rtol=1e-5, atol=1e-12
-    )
+    assert_same_priorities(after, before)
     sizes = [shard.stats()["size"] for shard in again]
     assert max(sizes) - min(sizes) <= 1
     for key in ("inserted", "stale_updates"):
@@ -169,10 +174,7 @@ def test_stacked_frames_go_with_their_transitions_to_another_shard_count(tmp_pat
     again = restored(saved_shards(tmp_path, [shard]), parts, capacity)
     after = contents(again)
     assert after.keys() == before.keys()
-    steps = sorted(before)
-    torch.testing.assert_close(
-        torch.tensor([after[s] for s in steps]), torch.tensor([before[s] for s in steps]), rtol=1e-5, atol=1e-12
-    )
+    assert_same_priorities(after, before)
     truth = torch.cat([batch.reshape(-1) for batch in batches])
     truth = truth[truth[STEP_ID].argsort()]  # row i is transition i
     held_after = []
@@ -206,11 +208,13 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
     for batch in cartpole_transitions(64).select(*agent.batch_keys).split(16):
         client.extend(batch)
     plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
-    learner.save_checkpoint(cfg, 1024, 10, agent, agent.make_optimizers(), client, plan, None, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    learner.save_checkpoint(cfg, 1024, 10, agent, agent.make_optimizers(), client, plan, None, cpu)
 
     # Refused before: learners and replay shards now change freely; the recipe and env do not.
-    assert train.main([*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", "fabric.devices=5", "replay.ranks=2", "--print-config"]) == 0
-    assert train.main([*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", "env.id=Acrobot-v1", "--print-config"]) == 2
+    resume = [*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", "--print-config"]
+    assert train.main([*resume, "fabric.devices=5", "replay.ranks=2"]) == 0
+    assert train.main([*resume, "env.id=Acrobot-v1"]) == 2
     assert "is a checkpoint of recipe" in capsys.readouterr().err
 
     resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}), 3, 1)
@@ -221,13 +225,14 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
     topology.host("replay", one)
     assert one.stats()["size"] == 64
     line = train.resumed_line(plan, resumed, uses_replay=True)
-    assert line.endswith("(learners 1 -> 3, replay shards 2 -> 1); replay restored: 64 transitions from 2 shards into 1")
+    changed = "(learners 1 -> 3, replay shards 2 -> 1)"
+    assert line.endswith(f"{changed}; replay restored: 64 transitions from 2 shards into 1")
 
     # A learner the checkpoint had no generators for seeds its own.
     again = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
     draws = []
     for _ in range(2):
-        checkpoint.restore_learner(folder, 2, again, again.make_optimizers(), torch.device("cpu"), fresh_seed=7)
+        checkpoint.restore_learner(folder, 2, again, again.make_optimizers(), cpu, fresh_seed=7)
         draws.append(torch.rand(3))
     assert torch.equal(draws[0], draws[1])
     assert not (folder / "rng-2.pt").exists()
@@ -259,7 +264,8 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
     resumed = fabric_run(5, *overrides, "replay.ranks=2", "total_frames=768", f"resume={run_dir}")
     summary = read_summary(resumed)
     assert summary["roles"] == {"0": "replay", "1": "replay", "2": "learner", "3": "learner", "4": "learner"}
-    assert "(learners 2 -> 3, replay shards 1 -> 2); replay restored: 384 transitions from 1 shard into 2" in resumed.stderr
+    changed = "(learners 2 -> 3, replay shards 1 -> 2)"
+    assert f"{changed}; replay restored: 384 transitions from 1 shard into 2" in resumed.stderr
     assert summary["frames_collected"] == 768
     assert summary["replay_size"] == 768  # what was saved, and each new frame once
     # Each learner writes to the shards in turn, starting from its own: 6 x 32 frames each.
@@ -275,8 +281,9 @@ def priority_table(shards: list[ReplayShard]) -> list[tuple]:
     for shard in shards:
         rows = shard.buffer[:]
         priorities = stored_priorities(shard.buffer, rows["index"])
-        keys = torch.cat([rows[OBSERVATION], rows["action"].float().reshape(len(rows), -1), rows[NEXT_OBSERVATION]], -1)
-        table += [(tuple(key), priority) for key, priority in zip(keys.tolist(), priorities.tolist(), strict=True)]
+        action = rows["action"].float().reshape(len(rows), -1)
+        keys = torch.cat([rows[OBSERVATION], action, rows[NEXT_OBSERVATION]], -1).tolist()
+        table += [(tuple(key), priority) for key, priority in zip(keys, priorities.tolist(), strict=True)]
     return [priority for _, priority in sorted(table)]
 
 
@@ -294,7 +301,8 @@ def test_an_on_policy_run_resumes_on_more_learners(tmp_path):
     # One step of 3 x 256 frames: 1024 to 1792; 2 epochs of 2 minibatches each.
     resumed = fabric_run(3, *overrides, "total_frames=1792", f"resume={run_dir}")
     summary = read_summary(resumed)
-    assert f"resumed from {folder} at frame 1024, update {meta['updates']} (learners 2 -> 3)" in resumed.stderr
+    line = f"resumed from {folder} at frame 1024, update {meta['updates']} (learners 2 -> 3)"
+    assert line in resumed.stderr
     assert summary["frames_collected"] == 1792
     assert summary["updates"] == meta["updates"] + 4
     assert len(set(summary["learner_param_checksums"].values())) == 1

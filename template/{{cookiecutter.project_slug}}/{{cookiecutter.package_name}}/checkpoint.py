@@ -175,7 +175,9 @@ def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> d
         )
     layout = {"learners": learners, "replay shards": shards}
     saved = {"learners": meta["learners"], "replay shards": meta["replay_shards"]}
-    changed = [f"{key} {saved[key]} -> {value}" for key, value in layout.items() if value not in (None, saved[key])]
+    changed = [
+        f"{key} {saved[key]} -> {value}" for key, value in layout.items() if value not in (None, saved[key])
+    ]
     return {**meta, "folder": str(folder), "changed": changed}
 
 

@@ -228,7 +228,7 @@ class ReplayShard:
         capacity = len(self.generation)
         if len(rows) > capacity:
             log.warning(
-                "replay shard %d: %d saved transitions do not fit its capacity of %d: the oldest are left out",
+                "replay shard %d: %d saved transitions exceed its capacity of %d: the oldest are left out",
                 self.shard, len(rows), capacity,
             )  # fmt: skip
             rows, priorities = rows[-capacity:], priorities[-capacity:]
