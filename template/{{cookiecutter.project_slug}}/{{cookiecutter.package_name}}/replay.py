@@ -300,7 +300,8 @@ class SavedShard:
     def groups(self) -> torch.Tensor:
         """A group per row: rows that share frames (one env copy's steps of an episode:
         each observation is the previous one moved on by a frame) name the same group, the
-        position of its oldest row; other rows are groups of their own."""
+        position of its oldest row; other rows (and rows whose frames are gone) are groups
+        of their own."""
         count = len(self.rows)
         own = torch.arange(count)
         if FRAMES not in self.rows.keys() or count == 0:
@@ -310,7 +311,8 @@ class SavedShard:
         firsts = stamps[:, 0].contiguous()
         seconds, order = stamps[:, 1].sort()
         at = torch.searchsorted(seconds, firsts).clamp(max=count - 1)
-        previous = torch.where(seconds[at] == firsts, order[at], own)
+        goes_on = (seconds[at] == firsts) & self.holds(stamps)
+        previous = torch.where(goes_on, order[at], own)
         while True:  # pointer jumping: every row reaches its group's first in log2(rows) rounds
             further = previous[previous]
             if torch.equal(further, previous):
