@@ -201,23 +201,22 @@ class ReplayShard:
     def restore(self, saved: Sequence[str | Path], part: int, parts: int) -> None:
         """Go on from a checkpoint's shards (their folders, ``saved``) as shard ``part`` of
         ``parts``. With as many shards as were saved, each loads its own. Otherwise each
-        reads every saved shard and keeps its part (``deal``): transitions that share frames
-        stay together, and each goes with its priority and its frames. Write counts that
+        reads every saved shard and keeps its part (``Dealer``): transitions that share
+        frames stay together, and each goes with its priority and its frames. Write counts that
         are totals over the shards (``inserted``, ``stale_updates``) are split between the
         parts, so their sums stay as they were. Streams start anew, as after ``load``.
         """
         if len(saved) == parts:
             self.load(str(saved[part]))
             return
-        loads = torch.zeros(parts, dtype=torch.long)  # transitions dealt to each part so far
+        dealer = Dealer(parts, len(self.generation))  # every part deals alike: each keeps its own
         inserted = stale_updates = 0
         with self._lock:
             for folder in saved:
                 source = SavedShard(Path(folder), self.buffer.priority_key)
                 inserted += source.counts["inserted"]
                 stale_updates += source.counts["stale_updates"]
-                mine = deal(source.groups(), loads) == part
-                self._write_restored(source, mine)
+                self._write_restored(source, dealer.deal(source) == part)
             self.inserted = inserted // parts + (part < inserted % parts)
             self.stale_updates = stale_updates // parts + (part < stale_updates % parts)
 
@@ -294,6 +293,12 @@ class SavedShard:
     def holds(self, stamps: torch.Tensor) -> torch.Tensor:
         return stamps.min(-1).values >= self.written - self.capacity
 
+    def framed(self) -> torch.Tensor:
+        """Per row: whether it is made of frames that are still here."""
+        if FRAMES not in self.rows.keys():
+            return torch.zeros(len(self.rows), dtype=torch.bool)
+        return self.holds(self.rows[FRAMES])
+
     def read(self, stamps: torch.Tensor) -> torch.Tensor:
         return self.frames.index_select(0, stamps % self.capacity).view(-1, *self.frame_shape)
 
@@ -311,7 +316,7 @@ class SavedShard:
         firsts = stamps[:, 0].contiguous()
         seconds, order = stamps[:, 1].sort()
         at = torch.searchsorted(seconds, firsts).clamp(max=count - 1)
-        goes_on = (seconds[at] == firsts) & self.holds(stamps)
+        goes_on = (seconds[at] == firsts) & self.framed()
         previous = torch.where(goes_on, order[at], own)
         while True:  # pointer jumping: every row reaches its group's first in log2(rows) rounds
             further = previous[previous]
@@ -331,23 +336,63 @@ def stored_priorities(buffer: TensorDictPrioritizedReplayBuffer, slots: torch.Te
     return (buffer.sampler._sum_tree[slots].double() ** (1 / alpha) - EPS).clamp(min=0).float()
 
 
-def deal(groups: torch.Tensor, loads: torch.Tensor) -> torch.Tensor:
-    """The part each row goes to: whole groups (``SavedShard.groups``), oldest first, each
-    to the part with the fewest rows so far (ties: the lowest part). ``loads`` counts the
-    rows of each part and is updated, so the shards of a checkpoint are dealt as one."""
-    firsts, group_of, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
-    if (sizes == 1).all():  # rows stored whole: round robin, from the least loaded part
-        ranked = torch.argsort(loads, stable=True)
-        owners = ranked[torch.arange(len(firsts)) % len(loads)]
-    else:
-        owners = torch.empty(len(firsts), dtype=torch.long)
-        totals = loads.tolist()
-        for group, size in enumerate(sizes.tolist()):
-            owner = min(range(len(totals)), key=totals.__getitem__)
-            owners[group] = owner
-            totals[owner] += size
-    loads += torch.bincount(owners, weights=sizes, minlength=len(loads)).long()
-    return owners[group_of]
+class Dealer:
+    """Deals a checkpoint's rows to ``parts`` shards of ``capacity`` transitions (and as
+    many frames) each, one saved shard after another, keeping count of what each part got.
+
+    Rows with frames go first, group by group (``SavedShard.groups``), oldest first, each
+    to the part with the fewest frames so far, whole while it fits; a group that fits
+    nowhere is split, its older rows first (the newer piece stores again the frames the
+    pieces share). Then the other rows (rows stored whole, or whose frames are gone) fill
+    up the parts with the fewest rows, interleaved, so each part gets old and new ones.
+    """
+
+    def __init__(self, parts: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows = torch.zeros(parts, dtype=torch.long)
+        self.frames = [0] * parts
+
+    def deal(self, source: SavedShard) -> torch.Tensor:
+        """The part each row of ``source`` goes to."""
+        owner = torch.empty(len(source.rows), dtype=torch.long)
+        framed = source.framed()
+        if framed.any():
+            depth = source.rows[FRAMES].shape[1] - 1
+            rows = torch.nonzero(framed).squeeze(-1)
+            groups = source.groups()[rows]
+            rows = rows[torch.argsort(groups, stable=True)]  # group by group, each oldest first
+            start = 0
+            for size in torch.unique(groups, return_counts=True)[1].tolist():
+                while size:
+                    part = min(range(len(self.frames)), key=self.frames.__getitem__)
+                    room = self.capacity - self.frames[part] - depth  # a piece's frames: rows + depth
+                    piece = size if room <= 0 else min(size, room)  # every part full: its oldest go
+                    owner[rows[start : start + piece]] = part
+                    self.frames[part] += piece + depth
+                    self.rows[part] += piece
+                    start, size = start + piece, size - piece
+        rest = torch.nonzero(~framed).squeeze(-1)
+        owner[rest] = self._fill(len(rest))
+        return owner
+
+    def _fill(self, count: int) -> torch.Tensor:
+        """Parts for ``count`` rows, in the order of the rows: the parts with the fewest
+        rows take them until all are level (water filling), each part's spread out."""
+        low, high = int(self.rows.min()), int(self.rows.max()) + count
+        while low < high:  # the highest level that count rows can fill every part up to
+            middle = (low + high + 1) // 2
+            if int((middle - self.rows).clamp(min=0).sum()) <= count:
+                low = middle
+            else:
+                high = middle - 1
+        shares = (low - self.rows).clamp(min=0)
+        # Fewer left over than parts at the level: some of them take one more.
+        shares[torch.argsort(self.rows + shares, stable=True)[: count - int(shares.sum())]] += 1
+        self.rows += shares
+        owners = torch.repeat_interleave(torch.arange(len(shares)), shares)
+        # Part p's k-th row at k / shares[p] of the way: each part's rows spread over them all.
+        spread = torch.cat([torch.arange(n) / max(n, 1) for n in shares.tolist()])
+        return owners[torch.argsort(spread, stable=True)]
 
 
 class FrameStore:
