@@ -171,7 +171,9 @@ def play_role(
             directory=Path(cfg.replay.directory) / f"shard-{index}",
         )
         if resumed and resumed["replay"]:
-            shard.load(str(Path(resumed["folder"]) / f"replay-{index}"))
+            # Any number of saved shards: with another number, the transitions are dealt anew.
+            saved = [Path(resumed["folder"]) / f"replay-{i}" for i in range(resumed["replay_shards"])]
+            shard.restore(saved, index, len(plan.shard_ranks))
         topology.host("replay", shard)
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
     if resumed and plan.rank == 0:
@@ -206,13 +208,20 @@ def play_role(
 
 
 def resumed_line(plan: topology.Topology, resumed: dict, uses_replay: bool) -> str:
-    """What a resume restored, in one line."""
+    """What a resume restored, in one line; and what changed, when the checkpoint was
+    written by another number of learners or replay shards."""
     line = f"resumed from {resumed['folder']} at frame {resumed['frames']}, update {resumed['updates']}"
+    if resumed["changed"]:
+        line += f" ({', '.join(resumed['changed'])})"
     if not uses_replay:
         return line
     if not resumed["replay"]:
         return f"{line}; replay not restored (saved with checkpoint.replay=false): refilled before updating"
     sizes = [topology.handle(plan, rank, "replay").rpc_sync().stats()["size"] for rank in plan.shard_ranks]
+    saved = resumed["replay_shards"]
+    if saved != len(sizes):
+        shards = "shard" if saved == 1 else "shards"
+        return f"{line}; replay restored: {sum(sizes)} transitions from {saved} {shards} into {len(sizes)}"
     return f"{line}; replay restored: {sum(sizes)} transitions in {len(sizes)} shard(s)"
 
 

@@ -11,6 +11,11 @@ needs to go on from frame N (``resume=``): ``meta.json`` (recipe, env, layout, c
 shard's contents and priorities; left out with ``checkpoint.replay=false``, for buffers
 too large to copy each time). It is written under a temporary name and renamed when
 complete, so a crash while writing leaves the previous checkpoint as it was.
+
+A run may go on with another number of learners or replay shards than the checkpoint's:
+the learners are identical (one ``agent.pt``), learner i takes ``rng-<i>.pt`` when there
+is one and seeds fresh generators otherwise, and the shards' transitions are dealt out
+anew (``ReplayShard.restore``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
 from . import recipes
@@ -143,7 +149,9 @@ AUTO = "auto"
 
 
 def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any] | None:
-    """The checkpoint ``cfg.resume`` points at, if this run can go on from it.
+    """The checkpoint ``cfg.resume`` points at, if this run can go on from it, with
+    ``changed``: how this run's ``learners`` and replay ``shards`` differ from the
+    checkpoint's (None: not known yet), e.g. ``["learners 2 -> 3"]``. Any layout resumes.
 
     ``resume=auto``: the newest complete checkpoint in ``run_dir``, or None (start afresh)
     when there is none yet, so a job requeued after a preemption runs the same command.
@@ -160,15 +168,17 @@ def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> d
             f"resume: {folder} is a checkpoint of recipe '{meta['recipe']}' on {meta['env_id']}, "
             f"not of '{cfg.recipe}' on {cfg.env.id}"
         )
-    layout = {
-        "learners": learners,
-        "replay_shards": shards,
-        "frames_per_batch": cfg.collector.frames_per_batch,
-    }
-    for key, value in layout.items():
-        if value is not None and meta[key] != value:
-            raise ConfigError(f"resume: {folder} was written with {key}={meta[key]}, this run has {value}")
-    return {**meta, "folder": str(folder)}
+    if meta["frames_per_batch"] != cfg.collector.frames_per_batch:
+        raise ConfigError(
+            f"resume: {folder} was written with frames_per_batch={meta['frames_per_batch']}, "
+            f"this run has {cfg.collector.frames_per_batch}"
+        )
+    layout = {"learners": learners, "replay shards": shards}
+    saved = {"learners": meta["learners"], "replay shards": meta["replay_shards"]}
+    changed = [
+        f"{key} {saved[key]} -> {value}" for key, value in layout.items() if value not in (None, saved[key])
+    ]
+    return {**meta, "folder": str(folder), "changed": changed}
 
 
 def restore_learner(
@@ -177,20 +187,26 @@ def restore_learner(
     agent: torch.nn.Module,
     optimizers: dict[str, torch.optim.Optimizer],
     device: torch.device,
+    fresh_seed: int = 0,
 ) -> None:
     """Put learner ``index`` back as it was when ``folder`` was written.
 
     Everything is read onto the CPU: ``load_state_dict`` copies the weights onto the agent's
     device, and each optimizer moves its state next to each parameter, all but what torch
     keeps on the CPU on purpose (Adam's ``step`` unless ``capturable``), which a load
-    straight onto the GPU would put there.
+    straight onto the GPU would put there. A learner the checkpoint's run did not have
+    (it had fewer) seeds its random generators with ``fresh_seed``.
     """
     state = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)
     agent.load_state_dict(state["agent"])
     for name, optimizer in optimizers.items():
         optimizer.load_state_dict(state["optimizers"][name])
-    # The run's own file, written by rng_state: numpy's state is not a tensor.
-    set_rng_state(torch.load(folder / f"rng-{index}.pt", weights_only=False))
+    rng = folder / f"rng-{index}.pt"
+    if rng.is_file():
+        # The run's own file, written by rng_state: numpy's state is not a tensor.
+        set_rng_state(torch.load(rng, weights_only=False))
+    else:
+        seed_everything(fresh_seed, verbose=False)
 
 
 def rng_state() -> dict[str, Any]:

@@ -148,9 +148,11 @@ class Learner:
         spec_env.close()
         self.optimizers = self.agent.make_optimizers()
         if run.resumed:
+            # A learner the checkpoint's run did not have is seeded as its environments are.
             checkpoint.restore_learner(
-                Path(run.resumed["folder"]), self.index, self.agent, self.optimizers, run.device
-            )
+                Path(run.resumed["folder"]), self.index, self.agent, self.optimizers, run.device,
+                fresh_seed=cfg.seed + 1000 * self.index + self.frames,
+            )  # fmt: skip
         self.model = self.agent
         if run.learners > 1:
             # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
@@ -176,7 +178,7 @@ class Learner:
         stop; counts frames and records finished episodes. A collector that produces no
         batch for ``collector.timeout`` seconds stops the run."""
         cfg, run = self.run.cfg, self.run
-        planned = planned_frames(cfg, run.learners)
+        planned = planned_frames(cfg, run.learners, self.frames)
         # This learner's share of the frames still to collect.
         frames = (planned - self.frames) // run.learners
         # A resumed run starts new episodes: environments cannot be saved mid-episode.
@@ -406,10 +408,11 @@ def all_agree(flag: threading.Event, group: Any, learners: int, device: torch.de
     return bool(raised.item())
 
 
-def planned_frames(cfg: DictConfig, learners: int) -> int:
-    """``total_frames`` rounded up to whole collector steps of all learners."""
+def planned_frames(cfg: DictConfig, learners: int, start: int = 0) -> int:
+    """``total_frames`` rounded up to whole collector steps of all learners, counted on
+    from ``start`` (a resumed run's frames, in steps of however many learners it had)."""
     frames_per_step = cfg.collector.frames_per_batch * learners
-    return math.ceil(cfg.total_frames / frames_per_step) * frames_per_step
+    return start + math.ceil(max(0, cfg.total_frames - start) / frames_per_step) * frames_per_step
 
 
 def crossed(frames: int, step: int, every: int) -> bool:

@@ -77,7 +77,7 @@ class Recorder:
             hidden = False
         self.progress = tqdm(
             initial=resumed["frames"] if resumed else 0,
-            total=planned_frames(cfg, len(topology.learner_ranks)),
+            total=planned_frames(cfg, len(topology.learner_ranks), resumed["frames"] if resumed else 0),
             unit="frame",
             unit_scale=True,
             dynamic_ncols=True,

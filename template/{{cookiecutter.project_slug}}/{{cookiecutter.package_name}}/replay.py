@@ -18,12 +18,17 @@ on across collector batches; at an episode start the env's own reset stack is st
 whole (ale-py fills it with zeros), so no frame of an earlier episode can enter a stack.
 torchrl's prioritized samplers draw whole stored rows (``PrioritizedSliceSampler``:
 slices of trajectories), not single transitions over shared frames: that part is ours.
+
+A checkpoint's shards resume on another number of shards (``ReplayShard.restore``): each
+new shard reads every saved one and keeps its part, each transition with its priority and
+the frames it needs, so the buffer goes on as it was, spread over the new shards.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import math
 import threading
 import uuid
@@ -35,6 +40,7 @@ from tensordict import MemoryMappedTensor, TensorDictBase
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 from torchrl.data.replay_buffers import Storage
 
+log = logging.getLogger(__name__)
 GENERATION = "generation"
 SHARD = "shard"
 WEIGHT = "priority_weight"
@@ -47,6 +53,11 @@ POSITION = "frame_position"
 MEMORY, MEMMAP = "memory", "memmap"  # replay.storage
 # A sampled transition whose frames were overwritten is drawn again, this many times at most.
 REDRAWS = 20
+# The stamp of a frame that no store holds: a restored transition whose frames were
+# overwritten before the checkpoint keeps its place and priority, and is never sampled.
+LOST = -(2**62)
+# Added to every priority before the exponent (torchrl's default, named: ``stored_priorities`` takes it off).
+EPS = 1e-8
 
 
 def make_storage(kind: str, capacity: int, directory: str | Path | None) -> Storage:
@@ -75,6 +86,7 @@ class ReplayShard:
         self.buffer = TensorDictPrioritizedReplayBuffer(
             alpha=alpha,
             beta=beta,
+            eps=EPS,
             storage=make_storage(storage, capacity, folder and folder / "transitions"),
             priority_key=priority_key,
         )
@@ -186,6 +198,55 @@ class ReplayShard:
             self.inserted, self.stale_updates = counts["inserted"], counts["stale_updates"]
             self.frames.load(Path(folder), counts["frames_written"], tuple(counts["frame_shape"]))
 
+    def restore(self, saved: Sequence[str | Path], part: int, parts: int) -> None:
+        """Go on from a checkpoint's shards (their folders, ``saved``) as shard ``part`` of
+        ``parts``. With as many shards as were saved, each loads its own. Otherwise each
+        reads every saved shard and keeps its part (``Dealer``): transitions that share
+        frames stay together, and each goes with its priority and its frames. Write counts that
+        are totals over the shards (``inserted``, ``stale_updates``) are split between the
+        parts, so their sums stay as they were. Streams start anew, as after ``load``.
+        """
+        if len(saved) == parts:
+            self.load(str(saved[part]))
+            return
+        dealer = Dealer(parts, len(self.generation))  # every part deals alike: each keeps its own
+        inserted = stale_updates = 0
+        with self._lock:
+            for folder in saved:
+                source = SavedShard(Path(folder), self.buffer.priority_key)
+                inserted += source.counts["inserted"]
+                stale_updates += source.counts["stale_updates"]
+                self._write_restored(source, dealer.deal(source) == part)
+            self.inserted = inserted // parts + (part < inserted % parts)
+            self.stale_updates = stale_updates // parts + (part < stale_updates % parts)
+
+    def _write_restored(self, source: SavedShard, mine: torch.Tensor) -> None:
+        """Append the rows of ``source`` picked by ``mine``, oldest first, with their
+        priorities; frame-stacked rows bring the frames they name, each once."""
+        rows, priorities = source.rows[mine], source.priorities[mine]
+        capacity = len(self.generation)
+        if len(rows) > capacity:
+            log.warning(
+                "replay shard %d: %d saved transitions exceed its capacity of %d: the oldest are left out",
+                self.shard, len(rows), capacity,
+            )  # fmt: skip
+            rows, priorities = rows[-capacity:], priorities[-capacity:]
+        if len(rows) == 0:
+            return
+        if FRAMES in rows.keys():
+            stamps = rows[FRAMES]
+            held = source.holds(stamps)
+            needed = stamps[held].unique()  # sorted: oldest frame first
+            first = self.frames.written
+            # At most a store's worth per write: slots must not repeat within one write.
+            for chunk in needed.split(self.frames.capacity):
+                self.frames.write(source.read(chunk))
+            renamed = first + torch.searchsorted(needed, stamps)
+            rows[FRAMES] = torch.where(held.unsqueeze(-1), renamed, torch.full_like(stamps, LOST))
+        index = self.buffer.extend(rows, update_priority=False)
+        self.buffer.update_priority(index, priorities)
+        self.generation[index] += 1
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"size": len(self.buffer), "inserted": self.inserted, "stale_updates": self.stale_updates}
@@ -199,6 +260,139 @@ class ReplayShard:
             return 0.0, math.inf
         sampler = self.buffer.sampler
         return float(sampler._sum_tree.query(0, size)), float(sampler._min_tree.query(0, size))
+
+
+class SavedShard:
+    """A shard as a checkpoint holds it, read for ``ReplayShard.restore``: its rows oldest
+    first, their priorities, and its frames, read from the file only where needed."""
+
+    def __init__(self, folder: Path, priority_key: str) -> None:
+        self.counts = torch.load(folder / "shard.pt", weights_only=True)
+        generation = self.counts["generation"]
+        capacity = len(generation)
+        buffer = TensorDictPrioritizedReplayBuffer(
+            alpha=1.0, beta=1.0, storage=LazyTensorStorage(capacity), priority_key=priority_key
+        )
+        buffer.loads(folder)
+        # Oldest first: a slot written in an earlier round of the circular writer, and
+        # within a round, a lower slot. The shard's own write counts say which round.
+        written = torch.nonzero(generation).squeeze(-1)
+        slots = written[torch.argsort(generation[written] * capacity + written)]
+        self.rows = buffer[slots].exclude("index")
+        self.priorities = stored_priorities(buffer, slots)
+        self.capacity = capacity  # of frames too, as ReplayShard makes its FrameStore
+        self.written = self.counts["frames_written"]
+        self.frame_shape = tuple(self.counts["frame_shape"])
+        self.frames = None
+        if self.written:
+            kept = min(self.written, capacity)
+            self.frames = MemoryMappedTensor.from_filename(
+                folder / "frames.memmap", dtype=torch.uint8, shape=(kept, math.prod(self.frame_shape))
+            )
+
+    def holds(self, stamps: torch.Tensor) -> torch.Tensor:
+        return stamps.min(-1).values >= self.written - self.capacity
+
+    def framed(self) -> torch.Tensor:
+        """Per row: whether it is made of frames that are still here."""
+        if FRAMES not in self.rows.keys():
+            return torch.zeros(len(self.rows), dtype=torch.bool)
+        return self.holds(self.rows[FRAMES])
+
+    def read(self, stamps: torch.Tensor) -> torch.Tensor:
+        return self.frames.index_select(0, stamps % self.capacity).view(-1, *self.frame_shape)
+
+    def groups(self) -> torch.Tensor:
+        """A group per row: rows that share frames (one env copy's steps of an episode:
+        each observation is the previous one moved on by a frame) name the same group, the
+        position of its oldest row; other rows (and rows whose frames are gone) are groups
+        of their own."""
+        count = len(self.rows)
+        own = torch.arange(count)
+        if FRAMES not in self.rows.keys() or count == 0:
+            return own
+        stamps = self.rows[FRAMES]
+        # A row goes on from the row whose observation's second frame is its first.
+        firsts = stamps[:, 0].contiguous()
+        seconds, order = stamps[:, 1].sort()
+        at = torch.searchsorted(seconds, firsts).clamp(max=count - 1)
+        goes_on = (seconds[at] == firsts) & self.framed()
+        previous = torch.where(goes_on, order[at], own)
+        while True:  # pointer jumping: every row reaches its group's first in log2(rows) rounds
+            further = previous[previous]
+            if torch.equal(further, previous):
+                return previous
+            previous = further
+
+
+def stored_priorities(buffer: TensorDictPrioritizedReplayBuffer, slots: torch.Tensor) -> torch.Tensor:
+    """The priorities of ``slots``, as given to ``update_priority``. torchrl keeps them
+    transformed, ``(p + EPS) ** alpha``, in its sampler's sum tree, which has no public
+    accessor (as in ``ReplayShard._mass``; tests/test_elastic.py fails loudly if this
+    changes)."""
+    alpha = buffer.sampler.alpha
+    if alpha == 0:  # every priority counts the same: any value restores it
+        return torch.ones(len(slots))
+    return (buffer.sampler._sum_tree[slots].double() ** (1 / alpha) - EPS).clamp(min=0).float()
+
+
+class Dealer:
+    """Deals a checkpoint's rows to ``parts`` shards of ``capacity`` transitions (and as
+    many frames) each, one saved shard after another, keeping count of what each part got.
+
+    Rows with frames go first, group by group (``SavedShard.groups``), oldest first, each
+    to the part with the fewest frames so far, whole while it fits; a group that fits
+    nowhere is split, its older rows first (the newer piece stores again the frames the
+    pieces share). Then the other rows (rows stored whole, or whose frames are gone) fill
+    up the parts with the fewest rows, interleaved, so each part gets old and new ones.
+    """
+
+    def __init__(self, parts: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows = torch.zeros(parts, dtype=torch.long)
+        self.frames = [0] * parts
+
+    def deal(self, source: SavedShard) -> torch.Tensor:
+        """The part each row of ``source`` goes to."""
+        owner = torch.empty(len(source.rows), dtype=torch.long)
+        framed = source.framed()
+        if framed.any():
+            depth = source.rows[FRAMES].shape[1] - 1
+            rows = torch.nonzero(framed).squeeze(-1)
+            groups = source.groups()[rows]
+            rows = rows[torch.argsort(groups, stable=True)]  # group by group, each oldest first
+            start = 0
+            for size in torch.unique(groups, return_counts=True)[1].tolist():
+                while size:
+                    part = min(range(len(self.frames)), key=self.frames.__getitem__)
+                    room = self.capacity - self.frames[part] - depth  # a piece's frames: rows + depth
+                    piece = size if room <= 0 else min(size, room)  # every part full: its oldest go
+                    owner[rows[start : start + piece]] = part
+                    self.frames[part] += piece + depth
+                    self.rows[part] += piece
+                    start, size = start + piece, size - piece
+        rest = torch.nonzero(~framed).squeeze(-1)
+        owner[rest] = self._fill(len(rest))
+        return owner
+
+    def _fill(self, count: int) -> torch.Tensor:
+        """Parts for ``count`` rows, in the order of the rows: the parts with the fewest
+        rows take them until all are level (water filling), each part's spread out."""
+        low, high = int(self.rows.min()), int(self.rows.max()) + count
+        while low < high:  # the highest level that count rows can fill every part up to
+            middle = (low + high + 1) // 2
+            if int((middle - self.rows).clamp(min=0).sum()) <= count:
+                low = middle
+            else:
+                high = middle - 1
+        shares = (low - self.rows).clamp(min=0)
+        # Fewer left over than parts at the level: some of them take one more.
+        shares[torch.argsort(self.rows + shares, stable=True)[: count - int(shares.sum())]] += 1
+        self.rows += shares
+        owners = torch.repeat_interleave(torch.arange(len(shares)), shares)
+        # Part p's k-th row at k / shares[p] of the way: each part's rows spread over them all.
+        spread = torch.cat([torch.arange(n) / max(n, 1) for n in shares.tolist()])
+        return owners[torch.argsort(spread, stable=True)]
 
 
 class FrameStore:
@@ -238,7 +432,10 @@ class FrameStore:
     def save(self, folder: Path) -> None:
         if self.frames is not None:
             kept = min(self.written, self.capacity)
-            MemoryMappedTensor.from_tensor(self.frames[:kept], filename=folder / "frames.memmap")
+            # copy_existing: with replay.storage=memmap the frames already live in a file.
+            MemoryMappedTensor.from_tensor(
+                self.frames[:kept], filename=folder / "frames.memmap", copy_existing=True
+            )
 
     def load(self, folder: Path, written: int, frame_shape: tuple[int, ...]) -> None:
         self.written = written
