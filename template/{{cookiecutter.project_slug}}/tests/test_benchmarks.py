@@ -86,5 +86,8 @@ def test_stragglers_benchmark_compares_lockstep_with_the_threshold():
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["benchmark"] == "stragglers"
     lockstep, threshold = figures["throughput"]["sync_frac=1"], figures["throughput"]["sync_frac=0.6"]
-    assert lockstep["frames"] == 1536 and lockstep["rollouts"]["2"]["cut"] == 0
+    # sync_frac=1 with a straggler: everyone waits for it, nothing is cut (the lockstep that
+    # every other PPO test runs, there without a straggler).
+    assert lockstep["frames"] == 1536
+    assert all(row["cut"] == 0 and row["mean_fraction"] == 1.0 for row in lockstep["rollouts"].values())
     assert threshold["frames"] >= 1536 and threshold["rollouts"]["2"]["cut"] > 0

@@ -5,16 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import config, recipes
-from {{ cookiecutter.package_name }}.topology import Topology
+from {{ cookiecutter.package_name }}.topology import Topology, cpus_per_rank
 
-from .conftest import PROJECT, REPLAY_RECIPE, command_env, load_script, needs_replay
+from .conftest import REPLAY_RECIPE, load_script, needs_replay
 
 train = load_script("train")
 
@@ -127,26 +125,21 @@ def test_topology_puts_replay_first_and_learners_after():
     assert single.roles == {"0": "learner"} and single.shard_ranks == (0,)
 
 
-CPUS_PER_RANK = [
-    sys.executable,
-    "-c",
-    "from {{ cookiecutter.package_name }}.topology import cpus_per_rank; print(cpus_per_rank(1), cpus_per_rank(2))",
-]
 SLURM = {"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train", "SLURM_CPUS_PER_TASK": "3"}
 
 
-def cpus_per_rank(*prefix: str, **env: str) -> str:
-    clean = {key: value for key, value in command_env().items() if not key.startswith("SLURM_")}
-    command = [*prefix, *CPUS_PER_RANK]
-    result = subprocess.run(command, cwd=PROJECT, env={**clean, **env}, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
-
-
-def test_threads_per_rank_come_from_the_cores_this_process_may_use():
-    # The machine's cores are not the allocation: `taskset` gives the process one of them.
-    assert cpus_per_rank("taskset", "-c", "0") == "1 1"
-    cores = len(os.sched_getaffinity(0))
-    assert cpus_per_rank() == f"{cores} {max(1, cores // 2)}"
+def test_threads_per_rank_come_from_the_cores_this_process_may_use(monkeypatch):
+    for key in [key for key in os.environ if key.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    cores = os.sched_getaffinity(0)
+    assert (cpus_per_rank(1), cpus_per_rank(2)) == (len(cores), max(1, len(cores) // 2))
+    # The machine's cores are not the allocation: what `taskset -c 0` does, one core of them.
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        assert (cpus_per_rank(1), cpus_per_rank(2)) == (1, 1)
+    finally:
+        os.sched_setaffinity(0, cores)
     # Under srun each rank is a task with SLURM_CPUS_PER_TASK cores of its own.
-    assert cpus_per_rank(**SLURM) == "3 3"
+    for key, value in SLURM.items():
+        monkeypatch.setenv(key, value)
+    assert (cpus_per_rank(1), cpus_per_rank(2)) == (3, 3)

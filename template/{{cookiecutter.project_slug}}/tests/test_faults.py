@@ -1,12 +1,14 @@
 """Faults and signals on real ranks: a killed rank stops the run, so does a killed launcher,
 Ctrl-C stops it cleanly, a non-finite loss is reported with its step. Nothing hangs, nothing
-is left behind."""
+is left behind, and nothing a run listens on is reachable beyond loopback."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +32,32 @@ from .conftest import (
 RECIPE = REPLAY_RECIPE or RECIPES[0]
 # Long enough to be mid-training when the test strikes; short heartbeats to notice quickly.
 LONG_RUN = [*tiny_overrides(RECIPE), "total_frames=10000000", "rpc.heartbeat_timeout=5"]
+
+
+LISTEN = "0A"  # the TCP state of a listening socket in /proc/net/tcp
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != LISTEN or fields[9] not in inodes:
+                continue
+            address, port = fields[1].split(":")
+            # The kernel prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8))
+            found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
 
 
 def start(command: list[str], run_dir: Path) -> subprocess.Popen:
@@ -133,12 +161,22 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
 
 
 @pytest.mark.slow
-def test_a_killed_launcher_takes_every_rank_with_it_within_60_s(tmp_path):
-    run_dir = tmp_path / "run"
-    command = fabric_command(3, "train.py", f"rpc.port={free_port()}", *LONG_RUN, f"run_dir={run_dir}")
+def test_ranks_listen_on_loopback_only_and_a_killed_launcher_takes_them_along(tmp_path):
+    run_dir, rpc_port = tmp_path / "run", free_port()
+    command = fabric_command(3, "train.py", f"rpc.port={rpc_port}", *LONG_RUN, f"run_dir={run_dir}")
     process = start(command, run_dir)
     ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
     assert sorted(ranks) == [0, 1, 2]
+    # Training, so every rank has its gloo and TensorPipe listeners up, and rank 0 serves
+    # RPC's rendezvous and the watchdog's store: none of them may listen beyond loopback.
+    # (The c10d store on the main port is the launcher's, under `fabric run`.)
+    sockets = {rank: listening(pid) for rank, pid in ranks.items()}
+    assert all(sockets.values()), sockets
+    assert {rpc_port, rpc_port + 1} <= {port for found in sockets.values() for _, port in found}
+    for rank, found in sockets.items():
+        exposed = [f"{host}:{port}" for host, port in found if not ipaddress.ip_address(host).is_loopback]
+        assert not exposed, f"rank {rank} listens beyond loopback: {exposed}"
+
     # What the OOM killer or a scheduler's hard kill does: the launcher alone, no warning.
     os.kill(process.pid, signal.SIGKILL)
     process.wait()

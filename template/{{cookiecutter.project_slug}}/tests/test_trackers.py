@@ -1,11 +1,12 @@
-"""Experiment trackers: real one-process runs logging to W&B (offline) and MLflow (a file
-store), each leaving the run's metrics, its config and its final summary there.
+"""Experiment trackers: one real one-process run logging to W&B (offline) and MLflow (a
+file store) at once, leaving the run's metrics, its config and its final summary in each.
 
-Each test needs its extra (`pip install -e ".[wandb]"`, `".[mlflow]"`) and is skipped
-without it."""
+Each tracker needs its extra (`pip install -e ".[wandb]"`, `".[mlflow]"`); its test is
+skipped without it."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import sys
@@ -16,26 +17,38 @@ from .conftest import RECIPES, read_summary, run_command, tiny_overrides
 
 RECIPE = RECIPES[0]
 pytestmark = pytest.mark.slow
+TRACKERS = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
 
 
-def train(run_dir, logger: str) -> dict:
-    command = [
-        sys.executable,
-        "train.py",
-        *tiny_overrides(RECIPE),
-        f"loggers=[csv,{logger}]",
-        "experiment=tracked",
-        f"run_dir={run_dir}",
-    ]
-    return read_summary(run_command(command))
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    """The run's folder, its summary and the MLflow store, from one run with every installed
+    tracker: each run costs the ranks' start-up, which is most of a tiny run."""
+    if not TRACKERS:
+        pytest.skip("needs the [wandb] or [mlflow] extra")
+    folder = tmp_path_factory.mktemp("tracked")
+    store = f"file:{folder / 'mlruns'}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        patch.setenv("MLFLOW_TRACKING_URI", store)
+        # MLflow 3 keeps the file store for those who opt in; it suits a test (no database).
+        patch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+        command = [
+            sys.executable,
+            "train.py",
+            *tiny_overrides(RECIPE),
+            f"loggers=[csv,{','.join(TRACKERS)}]",
+            "experiment=tracked",
+            f"run_dir={folder / 'run'}",
+        ]
+        summary = read_summary(run_command(command))
+    return folder / "run", summary, store
 
 
-def test_wandb_offline_run_holds_metrics_config_and_summary(tmp_path, monkeypatch):
+def test_wandb_offline_run_holds_metrics_config_and_summary(tracked):
     pytest.importorskip("wandb", reason="needs the [wandb] extra")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    run_dir = tmp_path / "run"
-    summary = train(run_dir, "wandb")
+    run_dir, summary, _ = tracked
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     (log,) = offline.glob("run-*.wandb")  # what `wandb sync` uploads
     config, history, summaries = {}, [], {}
@@ -80,15 +93,12 @@ def wandb_records(path) -> list:
     return records
 
 
-def test_mlflow_file_store_run_holds_metrics_config_and_summary(tmp_path, monkeypatch):
+def test_mlflow_file_store_run_holds_metrics_config_and_summary(tracked, monkeypatch):
     pytest.importorskip("mlflow", reason="needs the [mlflow] extra")
     from mlflow.tracking import MlflowClient
 
-    store = f"file:{tmp_path / 'mlruns'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    # MLflow 3 keeps the file store for those who opt in; it suits a test (no database).
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    summary = train(tmp_path / "run", "mlflow")
+    _, summary, store = tracked
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's client too
     client = MlflowClient(store)
     (run,) = client.search_runs([client.get_experiment_by_name("tracked").experiment_id])
     assert run.info.run_name == "run" and run.info.status == "FINISHED"

@@ -31,17 +31,29 @@ from .conftest import (
 evaluate = load_script("evaluate")
 
 
+def one_process_run(run_dir, recipe: str) -> dict:
+    """A tiny one-process run of ``recipe``, seed 3, with both file loggers; its summary."""
+    overrides = [*tiny_overrides(recipe), "seed=3", "loggers=[csv,tensorboard]", f"run_dir={run_dir}"]
+    return read_summary(run_command([sys.executable, "train.py", *overrides]))
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """recipe -> (run_dir, summary) of ``one_process_run``, each run once for this module."""
+    runs = {}
+
+    def get(recipe: str):
+        if recipe not in runs:
+            run_dir = tmp_path_factory.mktemp(recipe) / "run"
+            runs[recipe] = run_dir, one_process_run(run_dir, recipe)
+        return runs[recipe]
+
+    return get
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_each_recipe_trains_in_one_process_and_writes_its_records(tmp_path, recipe):
-    run_dir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "train.py",
-        *tiny_overrides(recipe),
-        "loggers=[csv,tensorboard]",
-        f"run_dir={run_dir}",
-    ]
-    summary = read_summary(run_command(command))
+def test_each_recipe_trains_in_one_process_and_writes_its_records(one_process_runs, recipe):
+    run_dir, summary = one_process_runs(recipe)
     assert summary["world_size"] == 1 and summary["roles"] == {"0": "learner"}
     assert summary["frames_collected"] == 3072
     assert summary["replay_size"] == (3072 if recipes.load(recipe).Agent.uses_replay else 0)
@@ -83,8 +95,15 @@ def test_a_run_shorter_than_log_every_records_its_metrics_and_its_checkpoint_pla
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_each_recipe_trains_on_three_ranks_through_fabric_run(tmp_path, recipe):
-    result = fabric_run(3, *tiny_overrides(recipe), f"run_dir={tmp_path}")
+def test_each_recipe_trains_on_three_ranks(tmp_path, recipe):
+    """Through `fabric run`; the first recipe's ranks are launched by Fabric itself
+    (`python train.py fabric.devices=3`), the other way a user starts several ranks."""
+    if recipe == RECIPES[0]:
+        command = [sys.executable, "train.py", "fabric.devices=3", "fabric.accelerator=cpu"]
+        command += [f"rpc.port={free_port()}", *tiny_overrides(recipe), f"run_dir={tmp_path}"]
+        result = run_command(command)
+    else:
+        result = fabric_run(3, *tiny_overrides(recipe), f"run_dir={tmp_path}")
     summary = read_summary(result)
     if recipes.load(recipe).Agent.uses_replay:
         roles, learners, replay_size = {"0": "replay", "1": "learner", "2": "learner"}, 2, 3072
@@ -126,20 +145,6 @@ def check_three_rank_summary(summary: dict) -> None:
 
 
 @pytest.mark.slow
-def test_three_ranks_launched_by_fabric_itself(tmp_path, tiny):
-    command = [
-        sys.executable,
-        "train.py",
-        "fabric.devices=3",
-        "fabric.accelerator=cpu",
-        f"rpc.port={free_port()}",
-        *tiny,
-        f"run_dir={tmp_path / 'run'}",
-    ]
-    check_three_rank_summary(read_summary(run_command(command)))
-
-
-@pytest.mark.slow
 def test_async_collection_on_three_ranks_keeps_the_replay_ratio_and_reports_the_lag(tmp_path, tiny):
     summary = read_summary(
         fabric_run(3, *tiny, "collector.mode=async", "collector.weight_sync_every=2", f"run_dir={tmp_path}")
@@ -155,14 +160,10 @@ def test_async_collection_on_three_ranks_keeps_the_replay_ratio_and_reports_the_
     assert 0 < summary["policy_lag"] <= 5
 
 
-def test_sync_collection_is_reproducible(tmp_path):
-    recipe = RECIPES[0]
-    checksums = []
-    for attempt in ("first", "second"):
-        overrides = [*tiny_overrides(recipe), "seed=3", f"run_dir={tmp_path / attempt}"]
-        summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
-        checksums.append(summary["learner_param_checksums"]["0"])
-    assert checksums[0] == checksums[1]
+def test_sync_collection_is_reproducible(tmp_path, one_process_runs):
+    _, first = one_process_runs(RECIPES[0])
+    second = one_process_run(tmp_path / "again", RECIPES[0])
+    assert first["learner_param_checksums"] == second["learner_param_checksums"]
 
 
 @pytest.mark.slow
@@ -170,26 +171,6 @@ def test_bad_input_under_fabric_run_is_reported_and_fails():
     result = fabric_run(3, "total_frames=0", timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("error: total_frames must be > 0, got 0") == 1, result.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_four_learners_write_to_one_replay_rank_and_nothing_is_lost(tmp_path, tiny):
-    summary = read_summary(fabric_run(5, *tiny, "total_frames=4096", f"run_dir={tmp_path / 'run'}"))
-    assert summary["roles"] == {"0": "replay", **{str(rank): "learner" for rank in range(1, 5)}}
-    assert summary["frames_collected"] == 4096
-    assert summary["replay_size"] == 4096  # every learner's writes, none overwritten
-    assert len(set(summary["learner_param_checksums"].values())) == 1
-
-
-@pytest.mark.slow
-def test_two_replay_shards_through_fabric_run(tmp_path, tiny):
-    summary = read_summary(fabric_run(4, *tiny, "replay.ranks=2", f"run_dir={tmp_path / 'run'}"))
-    assert summary["roles"] == {"0": "replay", "1": "replay", "2": "learner", "3": "learner"}
-    assert summary["frames_collected"] == summary["replay_size"] == 3072
-    # Each learner's 6 batches of 256 frames alternate between the shards.
-    assert summary["replay_shard_sizes"] == [1536, 1536]
-    assert summary["updates"] == 20 and summary["stale_priority_updates"] == 0
-    assert len(set(summary["learner_param_checksums"].values())) == 1
 
 
 @pytest.mark.slow
