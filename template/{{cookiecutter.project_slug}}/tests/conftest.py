@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -118,18 +119,35 @@ def fabric_command(devices: int, *arguments: str, main_port: int | None = None) 
     return [fabric, *launcher, *arguments]
 
 
-def launch(command: list[str]) -> subprocess.Popen:
+_LAUNCHED: list[subprocess.Popen] = []
+
+
+def launch(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``command`` without waiting, in its own session (so that a signal can reach
-    its whole process group), its output captured."""
-    return subprocess.Popen(
+    its whole process group), its output captured. It ends with the test at the latest."""
+    process = subprocess.Popen(
         command,
         cwd=PROJECT,
-        env=command_env(),
+        env=env or command_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
+    _LAUNCHED.append(process)
+    return process
+
+
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test():
+    """A test that fails while its run trains must not leave the run training (ranks that
+    `fabric run` starts in sessions of their own follow their launcher within 60 s)."""
+    yield
+    while _LAUNCHED:
+        process = _LAUNCHED.pop()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
 
 
 def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from {{ cookiecutter.package_name }} import checkpoint
 
-from .conftest import PROJECT, RECIPES, REPLAY_RECIPE, command_env, free_port, processes_of, tiny_overrides
+from .conftest import RECIPES, REPLAY_RECIPE, command_env, free_port, launch, processes_of, tiny_overrides
 
 RECIPE = REPLAY_RECIPE or RECIPES[0]
 
@@ -71,11 +71,7 @@ def slurm_environment(tmp_path: Path) -> dict[str, str]:
 
 def sbatch(env: dict[str, str], *overrides: str) -> subprocess.Popen:
     """What the batch job runs on its first node (its own session, output captured)."""
-    command = ["bash", "slurm.sh", "fabric.accelerator=cpu", *tiny_overrides(RECIPE), *overrides]
-    pipe = subprocess.PIPE
-    return subprocess.Popen(
-        command, cwd=PROJECT, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
-    )
+    return launch(["bash", "slurm.sh", "fabric.accelerator=cpu", *tiny_overrides(RECIPE), *overrides], env)
 
 
 def test_slurms_warning_checkpoints_every_rank_requeues_and_the_requeued_job_goes_on(tmp_path):
