@@ -137,7 +137,7 @@ def make_env(
     env: str | Mapping[str, Any],
     num_envs: int,
     seed: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     training: bool = True,
 ) -> EnvBase:
     """``num_envs`` copies of an env stepped as one batch, as a seeded torchrl env.
@@ -216,7 +216,7 @@ def atari_preprocessing(env: gym.Env) -> gym.Env:
 def as_torchrl(
     gym_env: gym.Env,
     seed: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     family: str = OTHER,
     read_lives: bool = False,
 ) -> EnvBase:
