@@ -146,6 +146,8 @@ def make_env(
     ``clip_rewards``, ``life_loss``); missing keys take their defaults. ``training=False``
     (evaluation) leaves rewards raw and resets each copy within the step that ends its
     episode (gymnasium's same-step autoreset), which evaluation's rollout needs.
+    ``device=None``: the env's tensors carry no device (they are on the CPU), which spares
+    torchrl a cast of every step's tensordict (the collector's choice, see ``collector.py``).
     """
     env = {"id": env} if isinstance(env, str) else env
     env_id = env["id"]
