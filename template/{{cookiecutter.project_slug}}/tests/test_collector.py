@@ -60,8 +60,9 @@ def test_a_collector_on_the_cpu_names_no_device():
         collector_config("sync"), policy, seed=7, total_frames=200, device=torch.device("cpu")
     )
     batch = next(iter(collector))
+    env_device = collector.env.device
     collector.shutdown()
-    assert collector.env.device is None and batch.device is None
+    assert env_device is None and batch.device is None
     assert batch["next", "observation"].device.type == "cpu"
 
 
