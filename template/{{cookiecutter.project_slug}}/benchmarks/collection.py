@@ -6,7 +6,11 @@
                                                     # needs .[atari]
 
 All step ``--envs`` copies as one vector env and act with the same policy, in this one
-process with one torch thread (a learner's share of a 3-rank run on 2 cores). Policies:
+process with one torch thread (a learner's share of a 3-rank run on 2 cores). Each setup's
+first ``BATCH_STEPS`` steps (the collectors' first batch, with their set-up) are not timed.
+The setups take turns ``--rounds`` times, each on its share of ``--frames``, so that a
+change in the machine's load hits all of them alike; each figure is its frames over its
+timed seconds, summed over the rounds. Policies:
 ``network``: for discrete actions DQN's Q network (an MLP; the Nature-DQN convolutions on
 Atari frames) with epsilon-greedy exploration, for continuous ones a deterministic MLP actor
 with Gaussian noise (both built here, so the benchmark runs in a project generated with any
@@ -26,6 +30,7 @@ Prints a table and, last, a JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -81,9 +86,9 @@ def make_policy(env_id: str, num_envs: int) -> tuple[nn.Module, TensorDictModule
     return network, TensorDictSequential(actor, noise)
 
 
-def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: int) -> float:
-    """Frames/s of a hand-written loop: numpy observations in, one batched forward pass out
-    (or random actions without a network)."""
+def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: int) -> tuple[int, float]:
+    """Frames and seconds of a hand-written loop: numpy observations in, one batched forward
+    pass out (or random actions without a network)."""
     if family_of(env_id) == ATARI:
         envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
                             **atari_vector_settings({}))  # fmt: skip
@@ -98,8 +103,10 @@ def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: in
     discrete = isinstance(space, gym.spaces.Discrete)
     rng = np.random.default_rng(0)
     observations, _ = envs.reset(seed=0)
-    started = time.perf_counter()
-    for _ in range(frames // num_envs):
+    steps = -(-frames // (BATCH_STEPS * num_envs)) * BATCH_STEPS  # whole batches, as collected
+    for step in range(BATCH_STEPS + steps):
+        if step == BATCH_STEPS:  # the warm-up is over, as after the collectors' first batch
+            started = time.perf_counter()
         if network is None:
             if discrete:
                 actions = rng.integers(0, int(space.n), size=num_envs)
@@ -119,14 +126,15 @@ def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: in
         observations, *_ = envs.step(actions.numpy())
     elapsed = time.perf_counter() - started
     envs.close()
-    return frames // num_envs * num_envs / elapsed
+    return steps * num_envs, elapsed
 
 
 def collector_rate(
     kind: str, policy: TensorDictModuleBase | None, env: dict, num_envs: int, frames: int
-) -> float:
+) -> tuple[int, float]:
+    """Frames and seconds of a collector, its first batch not counted."""
     frames_per_batch = BATCH_STEPS * num_envs
-    total = -(-frames // frames_per_batch) * frames_per_batch  # whole batches
+    total = (-(-frames // frames_per_batch) + 1) * frames_per_batch  # whole batches, and the first
     if kind == "project":
         cfg = OmegaConf.create(
             {
@@ -147,7 +155,7 @@ def collector_rate(
     elapsed = time.perf_counter() - started
     collector.shutdown()
     assert first.numel() == frames_per_batch
-    return collected / elapsed
+    return collected, elapsed
 
 
 def main() -> None:
@@ -159,21 +167,34 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=192_000)
     parser.add_argument("--policies", default="network", help="comma-separated: network, random")
     parser.add_argument("--vectorization", default="auto", help="the collectors' env.vectorization")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each setup takes, on frames / rounds")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     env = {"id": args.env, "vectorization": args.vectorization}
     result = {"benchmark": "collection", "env": args.env, "vectorization": args.vectorization}
-    result.update({"envs": args.envs, "frames": args.frames})
+    result.update({"envs": args.envs, "frames": args.frames, "rounds": args.rounds})
     print(f"{'policy':<8} {'setup':<36} {'frames/s':>10} {'vs plain':>9}")
     for kind in args.policies.split(","):
         if kind not in ("network", "random"):
             parser.error(f"unknown policy '{kind}' (network, random)")
         network, policy = make_policy(args.env, args.envs) if kind == "network" else (None, None)
-        plain = plain_loop(network, args.env, args.envs, args.frames)
-        project = collector_rate("project", policy, env, args.envs, args.frames)
-        torchrl = collector_rate("torchrl", policy, env, args.envs, args.frames)
+        share = args.frames // args.rounds
+        setups = {
+            "plain": functools.partial(plain_loop, network, args.env, args.envs, share),
+            "project": functools.partial(collector_rate, "project", policy, env, args.envs, share),
+            "torchrl": functools.partial(collector_rate, "torchrl", policy, env, args.envs, share),
+        }
+        timed = {name: [0, 0.0] for name in setups}
+        for _ in range(args.rounds):
+            for name, measure in setups.items():
+                frames, seconds = measure()
+                timed[name][0] += frames
+                timed[name][1] += seconds
+        plain, project, torchrl = (frames / seconds for frames, seconds in timed.values())
         for name, rate in (
             ("plain loop", plain),
             ("project collector", project),

@@ -53,6 +53,19 @@ def test_sync_batches_are_time_last_and_chain_observations_across_episode_ends()
     assert (steps_in_episode[:, 1:][done[:, :-1]] == 1).all()
 
 
+def test_a_collector_on_the_cpu_names_no_device():
+    """A named device makes torchrl cast every step's tensordict (README, "The data path")."""
+    policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("sync"), policy, seed=7, total_frames=200, device=torch.device("cpu")
+    )
+    batch = next(iter(collector))
+    env_device = collector.env.device
+    collector.shutdown()
+    assert env_device is None and batch.device is None
+    assert batch["next", "observation"].device.type == "cpu"
+
+
 def test_async_collector_acts_with_the_weights_pushed_to_it():
     module = PushRight()
     policy = TensorDictModule(module, in_keys=["observation"], out_keys=["action"])

@@ -43,15 +43,24 @@ def make_collector(
     ``frames_per_batch`` frames (by default ``collector.frames_per_batch``) shaped
     ``[num_envs, steps]`` (time last), on the CPU; ``total_frames=-1``: endless.
 
-    Settings measured for speed (benchmarks/collection.py): no trajectory ids (nothing
-    reads them), and no policy transforms registered behind the recipe's back.
+    Settings measured for speed (benchmarks/collection.py, README "Benchmarks"): no
+    trajectory ids (nothing reads them), no policy transforms registered behind the
+    recipe's back, and, with the policy on the CPU, no device anywhere: the env's outputs
+    and the batches stay device-less CPU tensors. Naming a device makes torchrl cast every
+    step's tensordict to it (``GymWrapper`` at each step and reset, the collector between
+    env, policy and storage), and each such cast also asks whether CUDA is available,
+    which Lightning's ``PYTORCH_NVML_BASED_CUDA_CHECK`` turns into a library load per call.
     """
-    make = functools.partial(make_env, OmegaConf.to_container(cfg.env), cfg.env.num_envs, seed)
+    # An async collector's process acts with a CPU copy of the policy. A policy on a GPU
+    # takes the env's CPU tensors to its device, and the batches come back to the CPU.
+    on_cpu = cfg.collector.mode == ASYNC or device.type == "cpu"
+    env_device = None if on_cpu else "cpu"
+    make = functools.partial(make_env, OmegaConf.to_container(cfg.env), cfg.env.num_envs, seed, env_device)
     settings = {
         "frames_per_batch": frames_per_batch or cfg.collector.frames_per_batch,
         "total_frames": total_frames,
-        "storing_device": "cpu",
-        "env_device": "cpu",
+        "storing_device": env_device,
+        "env_device": env_device,
         "postproc": life_loss_terminal if cfg.env.get("life_loss", False) else None,
     }
     if cfg.collector.mode == ASYNC:
@@ -65,14 +74,13 @@ def make_collector(
             return CollectorProcess(
                 make,
                 copy.deepcopy(policy).cpu(),
-                policy_device="cpu",
                 track_policy_version=True,
                 **settings,
             )
     return Collector(
         make(),
         policy,
-        policy_device=device,
+        policy_device=None if on_cpu else device,
         track_traj_ids=False,
         auto_register_policy_transforms=False,
         **settings,

@@ -137,7 +137,7 @@ def make_env(
     env: str | Mapping[str, Any],
     num_envs: int,
     seed: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     training: bool = True,
 ) -> EnvBase:
     """``num_envs`` copies of an env stepped as one batch, as a seeded torchrl env.
@@ -146,6 +146,8 @@ def make_env(
     ``clip_rewards``, ``life_loss``); missing keys take their defaults. ``training=False``
     (evaluation) leaves rewards raw and resets each copy within the step that ends its
     episode (gymnasium's same-step autoreset), which evaluation's rollout needs.
+    ``device=None``: the env's tensors carry no device (they are on the CPU), which spares
+    torchrl a cast of every step's tensordict (the collector's choice, see ``collector.py``).
     """
     env = {"id": env} if isinstance(env, str) else env
     env_id = env["id"]
@@ -216,7 +218,7 @@ def atari_preprocessing(env: gym.Env) -> gym.Env:
 def as_torchrl(
     gym_env: gym.Env,
     seed: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = "cpu",
     family: str = OTHER,
     read_lives: bool = False,
 ) -> EnvBase:
