@@ -129,6 +129,11 @@ def test_one_recipe_project_has_no_trace_of_the_others(cookies):
                 assert not re.search(rf"\b{other}\b", text), f"{path.relative_to(project)} mentions {other}"
 
 
+# Two test modules at a time: a run's ranks leave a core idle while they wait (start-up,
+# heartbeats, a straggler's sleep), and each module keeps its shared runs on one worker.
+PARALLEL = ["-n", "2", "--dist", "loadscope"]
+
+
 def run_tests(project: Path, *arguments: str) -> str:
     """The project's own pytest with ``arguments``; its output, once it passed."""
     tests = subprocess.run(
@@ -149,7 +154,7 @@ def test_generated_project_tests_pass(cookies):
     """The default project's whole suite, slow tests included."""
     result = cookies.bake()
     assert result.exit_code == 0, result.exception
-    output = run_tests(result.project_path)
+    output = run_tests(result.project_path, *PARALLEL)
     assert " passed" in output.strip().splitlines()[-1]
     # The trackers' tests skip without their extras; the dev extra installs them here.
     assert "needs the [" not in output, output[-3000:]
@@ -175,7 +180,9 @@ def test_one_recipe_project_passes_what_differs_from_the_default_one(cookies):
     result = cookies.bake(extra_context=context)
     assert result.exit_code == 0, result.exception
     assert " tests collected" in run_tests(result.project_path, "--collect-only")
-    fast = run_tests(result.project_path, "-m", "not slow", *(f"tests/{name}" for name in RECIPE_DEPENDENT))
+    fast = run_tests(
+        result.project_path, *PARALLEL, "-m", "not slow", *(f"tests/{name}" for name in RECIPE_DEPENDENT)
+    )
     assert " passed" in fast.strip().splitlines()[-1]
     resume = "tests/test_checkpoint.py::test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint"
     assert "1 passed" in run_tests(result.project_path, resume)
