@@ -147,7 +147,7 @@ def no_run_outlives_its_test():
         process = _LAUNCHED.pop()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+            process.wait()  # not its output: ranks outside the group may hold the pipes open
 
 
 def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
