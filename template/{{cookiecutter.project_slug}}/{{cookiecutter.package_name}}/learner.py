@@ -151,7 +151,7 @@ class Learner:
             # A learner the checkpoint's run did not have is seeded as its environments are.
             checkpoint.restore_learner(
                 Path(run.resumed["folder"]), self.index, self.agent, self.optimizers, run.device,
-                fresh_seed=cfg.seed + 1000 * self.index + self.frames,
+                fresh_seed=self.env_seed(),
             )  # fmt: skip
         self.model = self.agent
         if run.learners > 1:
@@ -173,6 +173,11 @@ class Learner:
         self.lags: list[float] = []
         self.label = run.watchdog.label(run.topology.rank)  # names this learner in errors
 
+    def env_seed(self) -> int:
+        """The seed of this learner's environments from here on. A resumed run starts new
+        episodes (environments cannot be saved mid-episode), seeded by the frames so far."""
+        return self.run.cfg.seed + 1000 * self.index + self.frames
+
     def batches(self) -> Iterator[TensorDictBase]:
         """The collector's batches until ``total_frames``, or until a learner is asked to
         stop; counts frames and records finished episodes. A collector that produces no
@@ -181,8 +186,7 @@ class Learner:
         planned = planned_frames(cfg, run.learners, self.frames)
         # This learner's share of the frames still to collect.
         frames = (planned - self.frames) // run.learners
-        # A resumed run starts new episodes: environments cannot be saved mid-episode.
-        seed = cfg.seed + 1000 * self.index + self.frames
+        seed = self.env_seed()
         cuts = self.preemption
         # Starting an async collector's process imports torch anew: allow it more time.
         with self.collector_deadline(startup=True):
