@@ -25,7 +25,7 @@ demo: install
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(BIN)/cookiecutter --no-input . --output-dir $(DEMO_DIR)
 	cd $(DEMO_DIR)/my-rl-project && PATH="$(abspath $(BIN)):$$PATH" \
-		fabric run --accelerator cpu --strategy ddp --devices 3 train.py \
+		fabric run --accelerator cpu --strategy ddp --devices 2 train.py \
 		recipe=dqn env.id=CartPole-v1 total_frames=50000 eval.every=5000 seed=1 run_dir=runs/demo
 	@$(BIN)/python -c 'import json, sys; s = json.load(open(sys.argv[1])); \
 		best = max(s["eval_history"], key=lambda r: r["eval_return"]); \

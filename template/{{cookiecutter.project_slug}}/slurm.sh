@@ -1,6 +1,9 @@
 #!/bin/bash
 # Train on a SLURM cluster: srun starts one task per device on every node, and Lightning
-# Fabric reads its ranks from the SLURM environment. Edit the #SBATCH lines for your cluster.
+# Fabric reads its ranks from the SLURM environment. Every task is a learner; a replay
+# recipe's replay shards (replay.ranks) run in CPU processes that rank 0's task starts on
+# the first node, so that task's cores and the node's memory must hold them too (about
+# 7 GB per million Atari transitions). Edit the #SBATCH lines for your cluster.
 #
 #   sbatch slurm.sh                                   # the defaults of config.yaml
 #   sbatch slurm.sh replay.ranks=2 total_frames=2000000

@@ -1,20 +1,20 @@
 """Train an agent: Lightning Fabric starts the ranks, then each rank plays its role.
 
     python train.py                                # one process (replay buffer in-process)
-    python train.py fabric.devices=3               # Fabric starts 3 ranks itself
-    fabric run --accelerator cpu --strategy ddp --devices 3 train.py seed=1
+    python train.py fabric.devices=2               # Fabric starts 2 ranks itself
+    fabric run --accelerator cpu --strategy ddp --devices 2 train.py seed=1
     python train.py --print-config env.id=Acrobot-v1   # show the resolved config and stop
     python train.py recipe=<name> --help           # every key: its value and what it means
 
-With several ranks and a replay recipe, the first ``replay.ranks`` ranks host the
-prioritized replay buffer and the others are learners; with an on-policy recipe every rank
-is a learner (see topology.py). Rank 0 writes the run's records into run_dir.
+Every rank Fabric starts is a learner. With several of them and a replay recipe, rank 0
+also starts ``replay.ranks`` CPU processes that host the prioritized replay buffer's shards
+(replay_server.py); one process keeps its buffer in-process (see topology.py). Rank 0
+writes the run's records into run_dir.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -28,9 +28,9 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, topology, usage
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, replay_server, topology, usage
 from {{ cookiecutter.package_name }}.recorder import Recorder
-from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay import ReplayClient
 from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,9 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config.load(overrides, DEFAULTS)
         recipe = recipes.load(cfg.recipe)
-        world_size = config.expected_world_size(cfg)
-        if world_size:
-            plan = topology.Topology.plan(world_size, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
+        learners = config.expected_world_size(cfg)
+        if learners:
+            plan = topology.Topology.plan(learners, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
             if cfg.resume:
                 checkpoint.check_resume(cfg, *layout(plan, recipe))
     except config.ConfigError as error:
@@ -126,10 +126,13 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
     )
     logs.setup(plan.rank, plan.role)
     if plan.rank == 0:
-        log.info("roles: %s", ", ".join(f"rank {rank} {role}" for rank, role in plan.roles.items()))
-    torch.set_num_threads(cfg.threads or threads_per_rank(fabric, plan))
+        where = {topology.REPLAY: " (a CPU process of rank 0)", topology.LEARNER: ""}
+        log.info("roles: %s", ", ".join(f"rank {r} {role}{where[role]}" for r, role in plan.roles.items()))
+    torch.set_num_threads(cfg.threads or topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1)))
     address, port = topology.endpoint(cfg.rpc.address, cfg.rpc.port)
-    watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout)
+    # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
+    launcher = "the launcher" if "TORCHELASTIC_RUN_ID" in os.environ else None
+    watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent=launcher)
     with watchdog.watching():
         summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog)
     if summary is not None:
@@ -153,47 +156,34 @@ def play_role(
     port: int,
     watchdog: Watchdog,
 ) -> Path | None:
-    """Host, connect, train or serve, and write the records; rank 0 returns the summary."""
+    """Host, connect, train, and write the records; rank 0 returns the summary."""
     resumed = checkpoint.check_resume(cfg, *layout(plan, recipe)) if cfg.resume else None
+    uses_replay = recipe.Agent.uses_replay
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
+    servers = []
     if plan.rank == 0:
         topology.host("recorder", Recorder(fabric, cfg, plan, resumed=resumed))
-    uses_replay = recipe.Agent.uses_replay
-    if uses_replay and plan.rank in plan.shard_ranks:
-        index = plan.shard_ranks.index(plan.rank)
-        shard = ReplayShard(
-            math.ceil(cfg.replay.capacity / len(plan.shard_ranks)),
-            cfg.replay.alpha,
-            cfg.replay.beta,
-            recipe.Agent.priority_key,
-            shard=index,
-            storage=cfg.replay.storage,
-            directory=Path(cfg.replay.directory) / f"shard-{index}",
-        )
-        if resumed and resumed["replay"]:
-            # Any number of saved shards: with another number, the transitions are dealt anew.
-            saved = [Path(resumed["folder"]) / f"replay-{i}" for i in range(resumed["replay_shards"])]
-            shard.restore(saved, index, len(plan.shard_ranks))
-        topology.host("replay", shard)
+        if uses_replay and plan.world_size == 1:
+            topology.host("replay", replay_server.make_shard(cfg, recipe, plan, resumed))
+        servers = replay_server.start(cfg, plan, address, port, watchdog)
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
     if resumed and plan.rank == 0:
         log.info("%s", resumed_line(plan, resumed, uses_replay))
 
-    if plan.role == topology.LEARNER:
-        recorder = topology.handle(plan, 0, "recorder")
-        run = learner.Run(cfg, recipe, plan, fabric.device, learner_group, watchdog, recorder, resumed)
-        if uses_replay:
-            replay = ReplayClient(
-                [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
-                cfg.algo.batch_size,
-                cfg.replay.beta,
-                cfg.replay.batches_per_request,
-                first_shard=plan.learner_index,
-            )
-            stats = learner.off_policy(run, replay)
-        else:
-            stats = learner.on_policy(run)
-        recorder.rpc_sync().finish(plan.rank, stats)
+    recorder = topology.handle(plan, 0, "recorder")
+    run = learner.Run(cfg, recipe, plan, fabric.device, learner_group, watchdog, recorder, resumed)
+    if uses_replay:
+        replay = ReplayClient(
+            [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
+            cfg.algo.batch_size,
+            cfg.replay.beta,
+            cfg.replay.batches_per_request,
+            first_shard=plan.learner_index,
+        )
+        stats = learner.off_policy(run, replay)
+    else:
+        stats = learner.on_policy(run)
+    recorder.rpc_sync().finish(plan.rank, stats)
 
     summary = None
     if plan.rank == 0:
@@ -204,6 +194,7 @@ def play_role(
             shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
         summary = records.close(shards)
     topology.disconnect(plan)
+    replay_server.join(servers, cfg.rpc.heartbeat_timeout)
     return summary
 
 
@@ -243,15 +234,6 @@ def requeue() -> None:
 def layout(plan: topology.Topology, recipe: ModuleType) -> tuple[int, int]:
     """The number of learners and of replay shards, as checkpoints record them."""
     return len(plan.learner_ranks), len(plan.shard_ranks) if recipe.Agent.uses_replay else 0
-
-
-def threads_per_rank(fabric: Fabric, plan: topology.Topology) -> int:
-    """Split the cores this node gives the run between its ranks: each rank defaulting to
-    all of them oversubscribes the CPU. A replay rank takes one: its work (tree searches,
-    gathers of a few hundred rows) gains nothing from more threads."""
-    if plan.role == topology.REPLAY:
-        return 1
-    return topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1))
 
 
 if __name__ == "__main__":

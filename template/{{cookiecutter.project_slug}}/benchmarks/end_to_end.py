@@ -5,9 +5,9 @@ collection then learning (sync), for the same frames and the same number of upda
     python benchmarks/end_to_end.py --frames 20000 algo.updates_per_batch=16
 
 Runs train.py four times: one process with one torch thread (the async collector's process
-takes the other core of two), sync then async; then 3 ranks (a replay rank and two
-learners), sync then async, where the cores are already shared (``--ranks`` chooses). Compares training wall
-time from summary.json. Prints a table and, last, a JSON line.
+takes the other core of two), sync then async; then two learners and a replay process,
+sync then async, where the cores are already shared (``--learners`` chooses). Compares
+training wall time from summary.json. Prints a table and, last, a JSON line.
 
 Each recipe runs the workload in WORKLOADS below: updates that take about as long as the
 collection of the batch they follow, where overlapping the two pays most.
@@ -48,10 +48,10 @@ WORKLOADS = {
 }
 
 
-def train(ranks: int, mode: str, args: argparse.Namespace) -> dict:
-    run_dir = PROJECT / "runs" / "benchmarks" / f"end-to-end-{ranks}-{mode}"
+def train(learners: int, mode: str, args: argparse.Namespace) -> dict:
+    run_dir = PROJECT / "runs" / "benchmarks" / f"end-to-end-{learners}-{mode}"
     # One process gets one torch thread: the async collector's process takes the other core.
-    launch = ["fabric.devices=1", "threads=1"] if ranks == 1 else [f"fabric.devices={ranks}"]
+    launch = ["fabric.devices=1", "threads=1"] if learners == 1 else [f"fabric.devices={learners}"]
     command = [
         sys.executable,
         "train.py",
@@ -81,25 +81,25 @@ def main() -> None:
         sys.exit("error: this project has no replay recipe to benchmark")
     parser.add_argument("--recipe", default=replay_recipes[-1], choices=replay_recipes)
     parser.add_argument("--frames", type=int, default=20_000)
-    parser.add_argument("--ranks", default="1,3", help="layouts to run, e.g. 1 or 1,3")
+    parser.add_argument("--learners", default="1,2", help="layouts to run, e.g. 1 or 1,2")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
 
-    header = ("ranks", "mode", "train s", "frames/s", "updates/s", "vs sync", "lag")
-    print("{:<6} {:<6} {:>8} {:>9} {:>10} {:>8} {:>6}".format(*header))
+    header = ("learners", "mode", "train s", "frames/s", "updates/s", "vs sync", "lag")
+    print("{:<8} {:<6} {:>8} {:>9} {:>10} {:>8} {:>6}".format(*header))
     figures = {"benchmark": "end_to_end", "recipe": args.recipe, "frames": args.frames}
-    for ranks in (int(count) for count in args.ranks.split(",")):
-        sync = train(ranks, "sync", args)
-        run = train(ranks, "async", args)
+    for learners in (int(count) for count in args.learners.split(",")):
+        sync = train(learners, "sync", args)
+        run = train(learners, "async", args)
         if run["updates"] != sync["updates"] or run["frames_collected"] != sync["frames_collected"]:
             sys.exit("error: the two modes did different work; compare like with like")
         for mode, summary in (("sync", sync), ("async", run)):
             ratio = summary["train_s"] / sync["train_s"]
             print(
-                f"{ranks:<6} {mode:<6} {summary['train_s']:>8.1f} {summary['frames_per_s']:>9.0f} "
+                f"{learners:<8} {mode:<6} {summary['train_s']:>8.1f} {summary['frames_per_s']:>9.0f} "
                 f"{summary['updates_per_s']:>10.1f} {ratio:>8.2f} {summary['policy_lag']:>6.1f}"
             )
-        figures[f"{ranks}_ranks"] = {
+        figures[f"{learners}_learners"] = {
             "sync_train_s": sync["train_s"],
             "async_train_s": run["train_s"],
             "async_vs_sync": run["train_s"] / sync["train_s"],

@@ -1,6 +1,6 @@
 """Learning benchmark: does the recipe reach its target return, in how many frames and seconds?
 
-    python benchmarks/learning.py                      # the default recipe, 3 ranks, seeds 1 2 3
+    python benchmarks/learning.py                      # the default recipe, 2 learners, seeds 1 2 3
     python benchmarks/learning.py --recipe {{ cookiecutter.default_recipe }} --seeds 1 --frames 50000 algo.lr=1e-3
 
 Each seed is one `fabric run` on CPU with the recipe's defaults: its env and its frame
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--env")
     parser.add_argument("--frames", type=int)
     parser.add_argument("--target", type=float)
-    parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=2, help="learner ranks (replay processes come on top)")
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")

@@ -1,4 +1,4 @@
-"""Replay benchmark: the replay rank over RPC against the same buffer in-process.
+"""Replay benchmark: replay processes over RPC against the same buffer in-process.
 
     python benchmarks/replay.py                    # batch 256; 1, 2 and 4 learners
     python benchmarks/replay.py --learners 1 8 --shards 2 --batches-per-request 1
@@ -149,30 +149,33 @@ def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str
     return rates, footprint
 
 
-def rank_main(rank: int, world_size: int, ports: tuple[int, int], args, results) -> None:
+def rank_main(rank: int, learners: int, ports: tuple[int, int], args, results) -> None:
+    """Learners first, then the replay processes, as in a run; written out rather than
+    planned, since a run with one learner keeps its buffer in-process."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=world_size
-    )
-    plan = topology.Topology.plan(world_size, rank, replay_ranks=args.shards, uses_replay=True)
-    if plan.role == topology.REPLAY:
-        topology.host("replay", make_shard(args, CAPACITY // args.shards, shard=rank))
+    world_size = learners + args.shards
+    plan = topology.Topology(rank, world_size, tuple(range(learners, world_size)), tuple(range(learners)))
+    if plan.role == topology.LEARNER:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=learners
+        )
+    else:
+        topology.host("replay", make_shard(args, CAPACITY // args.shards, shard=rank - learners))
     data = workload(args, seed=rank) if plan.role == topology.LEARNER else None
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=120, collective_timeout_s=120)
     if plan.role == topology.LEARNER:
         shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
         client = make_client(shards, args, first_shard=plan.learner_index)
         results[rank] = measure(client, data, args.seconds)
+        dist.destroy_process_group()
     topology.disconnect(plan)
-    dist.destroy_process_group()
 
 
 def over_rpc(learners: int, args) -> dict[str, float]:
     ports = (free_port(), free_port())
     with mp.Manager() as manager:
         results = manager.dict()
-        world_size = args.shards + learners
-        mp.spawn(rank_main, args=(world_size, ports, args, results), nprocs=world_size)
+        mp.spawn(rank_main, args=(learners, ports, args, results), nprocs=learners + args.shards)
         rows = list(results.values())
     return {key: sum(row[key] for row in rows) for key in ("extends_per_s", "samples_per_s")}
 
@@ -190,7 +193,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, help="transitions per sample (default 256; --atari 32)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--shards", type=int, default=1, help="replay ranks in the RPC runs")
+    parser.add_argument("--shards", type=int, default=1, help="replay processes in the RPC runs")
     parser.add_argument("--batches-per-request", type=int, default=4)
     parser.add_argument("--requests-ahead", type=int, default=1, help="sample requests kept in flight")
     parser.add_argument("--atari", action="store_true", help="Pong frames instead of CartPole transitions")

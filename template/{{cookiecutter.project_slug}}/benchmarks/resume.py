@@ -1,6 +1,6 @@
 """Resume benchmark: does a run that stopped halfway and resumed learn like one that did not?
 
-    python benchmarks/resume.py                        # the default recipe, 3 ranks, seed 1
+    python benchmarks/resume.py                        # the default recipe, 2 learners, seed 1
     python benchmarks/resume.py --frames 40000 --seeds 1 2
 
 For each seed, three `fabric run`s on CPU: the whole budget in one go; the first half with
@@ -51,7 +51,7 @@ def main() -> None:
     )
     parser.add_argument("--recipe", default="{{ cookiecutter.default_recipe }}")
     parser.add_argument("--frames", type=int, default=50_000)
-    parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=2, help="learner ranks (replay processes come on top)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1])
     parser.add_argument(
         "--main-port", type=int, default=29400, help="fabric run's c10d port; RPC takes the next"

@@ -28,11 +28,11 @@ def test_collection_benchmark_prints_a_table_and_a_json_line():
 def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
     recipe, *overrides = (item for item in tiny if not item.startswith("total_frames="))
     command = [sys.executable, "benchmarks/end_to_end.py", "--recipe", recipe.removeprefix("recipe=")]
-    result = run_command([*command, "--frames", "2048", "--ranks", "1", *overrides])
+    result = run_command([*command, "--frames", "2048", "--learners", "1", *overrides])
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["benchmark"] == "end_to_end"
-    one_process = figures["1_ranks"]
+    one_process = figures["1_learners"]
     assert one_process["sync_train_s"] > 0 and one_process["async_train_s"] > 0
     assert one_process["async_updates_per_s"] > 0 and one_process["policy_lag"] > 0
 

@@ -1,5 +1,5 @@
 """The DQN recipe's wiring on a tiny batch, without any distribution; its runs on Atari
-and MinAtar through 3 ranks."""
+and MinAtar on two learners and a replay process."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_epsilon_anneals_in_closed_form_and_checkpoints_keep_it():
 
 
 @pytest.mark.slow
-def test_dqn_on_atari_through_three_ranks_keeps_uint8_frame_stacks(tmp_path):
+def test_dqn_on_atari_on_two_learners_keeps_uint8_frame_stacks(tmp_path):
     summary, batch = family_run(tmp_path, "dqn", "ALE/Pong-v5", ATARI_SHORT)
     # The shard keeps each frame once and samples a transition's two stacks as one tensor:
     # its observation's four frames and the next observation's newest.
@@ -80,7 +80,7 @@ def test_dqn_on_atari_through_three_ranks_keeps_uint8_frame_stacks(tmp_path):
 
 
 @pytest.mark.slow
-def test_dqn_on_minatar_through_three_ranks_keeps_uint8_channels_first(tmp_path):
+def test_dqn_on_minatar_on_two_learners_keeps_uint8_channels_first(tmp_path):
     _, batch = family_run(tmp_path, "dqn", "MinAtar/Breakout-v1")
     assert batch["observation"].dtype == torch.uint8 and batch["observation"].shape == (4, 4, 10, 10)
     assert set(batch["observation"].unique().tolist()) <= {0, 1}

@@ -22,6 +22,7 @@ from {{ cookiecutter.package_name }}.topology import Topology
 from .conftest import (
     RECIPES,
     REPLAY_RECIPE,
+    environment_of,
     fabric_command,
     free_port,
     launch,
@@ -30,6 +31,9 @@ from .conftest import (
 )
 
 RECIPE = REPLAY_RECIPE or RECIPES[0]
+# Three processes: two learners and a replay process, or three learners (on-policy).
+DEVICES = 2 if REPLAY_RECIPE is not None else 3
+LEARNERS = list(range(DEVICES))
 # Long enough to be mid-training when the test strikes; short heartbeats to notice quickly.
 LONG_RUN = [*tiny_overrides(RECIPE), "total_frames=10000000", "rpc.heartbeat_timeout=5"]
 
@@ -82,12 +86,16 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     return process.returncode, stderr, time.monotonic() - started
 
 
+def parent_of(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def collector_processes(pid: int) -> list[int]:
     """The async collector processes that process ``pid`` started."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = parent_of(int(entry.name))
             command = (entry / "cmdline").read_text()
         except (OSError, ValueError, IndexError):
             continue
@@ -111,7 +119,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     # The learners collect in async mode: a killed learner must take its collector along.
     mode = "async" if REPLAY_RECIPE is not None else "sync"
     overrides = [*LONG_RUN, f"collector.mode={mode}", f"run_dir={run_dir}"]
-    process = start(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
+    process = start(fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
     ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
     assert sorted(ranks) == [0, 1, 2]
     collectors = [pid for rank in ranks.values() for pid in collector_processes(rank)]
@@ -120,7 +128,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
 
     code, stderr, seconds = finish(process, timeout=90)
     assert code != 0 and seconds < 60
-    role = Topology.plan(3, victim, 1, uses_replay=REPLAY_RECIPE is not None).role
+    role = Topology.plan(DEVICES, victim, 1, uses_replay=REPLAY_RECIPE is not None).role
     survivors = [rank for rank in ranks if rank != victim]
     for rank in survivors:
         # Each survivor names the rank that died and its role, on one line.
@@ -139,18 +147,20 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
 def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     run_dir = tmp_path / "run"
     overrides = [*LONG_RUN, "collector.mode=async", "collector.timeout=10", f"run_dir={run_dir}"]
-    process = start(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
-    learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 2)
+    process = start(fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
+    learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 1)
     (collector,) = collector_processes(learner)
     os.kill(collector, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
 
     code, stderr, seconds = finish(process, timeout=90)
     assert code != 0 and seconds < 60
     reason = {
-        "dies": "rank 2 (learner) failed: the collector process of rank 2 (learner) died",
-        "hangs": "the collector of rank 2 (learner) stopped: nothing for 10 s",
+        "dies": "rank 1 (learner) failed: the collector process of rank 1 (learner) died",
+        "hangs": "the collector of rank 1 (learner) stopped: nothing for 10 s",
     }[fault]
-    for rank in (0, 1, 2):
+    # The learners say why. (Rank 0 kills the replay process as it stops, which may come
+    # before that process has said anything.)
+    for rank in LEARNERS:
         lines = [
             line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ") and "stopping:" in line
         ]
@@ -163,11 +173,11 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
 @pytest.mark.slow
 def test_ranks_listen_on_loopback_only_and_a_killed_launcher_takes_them_along(tmp_path):
     run_dir, rpc_port = tmp_path / "run", free_port()
-    command = fabric_command(3, "train.py", f"rpc.port={rpc_port}", *LONG_RUN, f"run_dir={run_dir}")
+    command = fabric_command(DEVICES, "train.py", f"rpc.port={rpc_port}", *LONG_RUN, f"run_dir={run_dir}")
     process = start(command, run_dir)
     ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
     assert sorted(ranks) == [0, 1, 2]
-    # Training, so every rank has its gloo and TensorPipe listeners up, and rank 0 serves
+    # Training, so every process has its gloo or TensorPipe listeners up, and rank 0 serves
     # RPC's rendezvous and the watchdog's store: none of them may listen beyond loopback.
     # (The c10d store on the main port is the launcher's, under `fabric run`.)
     sockets = {rank: listening(pid) for rank, pid in ranks.items()}
@@ -176,6 +186,10 @@ def test_ranks_listen_on_loopback_only_and_a_killed_launcher_takes_them_along(tm
     for rank, found in sockets.items():
         exposed = [f"{host}:{port}" for host, port in found if not ipaddress.ip_address(host).is_loopback]
         assert not exposed, f"rank {rank} listens beyond loopback: {exposed}"
+    if REPLAY_RECIPE is not None:
+        # The replay process is rank 0's child and sees no GPU: on a GPU node every GPU trains.
+        assert parent_of(ranks[2]) == ranks[0]
+        assert environment_of(ranks[2])["CUDA_VISIBLE_DEVICES"] == ""
 
     # What the OOM killer or a scheduler's hard kill does: the launcher alone, no warning.
     os.kill(process.pid, signal.SIGKILL)
@@ -189,10 +203,11 @@ def test_ranks_listen_on_loopback_only_and_a_killed_launcher_takes_them_along(tm
         os.kill(pid, signal.SIGKILL)
     assert left == {}, "ranks outlived their launcher by 60 s"
     # The ranks wrote to the launcher's stderr pipe, which stays readable once they are gone.
+    # (Rank 0 kills the replay process as it goes.)
     stderr = process.stderr.read()
-    for rank in ranks:
+    for rank in LEARNERS:
         lines = [line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ")]
-        assert any(f"the launcher (pid {process.pid}) is gone" in line for line in lines), stderr[-3000:]
+        assert any(f"the launcher is gone (pid {process.pid})" in line for line in lines), stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -204,7 +219,7 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, mode):
     command = [
         sys.executable,
         "train.py",
-        "fabric.devices=3",
+        f"fabric.devices={DEVICES}",
         "fabric.accelerator=cpu",
         f"rpc.port={free_port()}",
         f"collector.mode={mode}",
@@ -232,12 +247,13 @@ def test_a_non_finite_loss_stops_the_run_and_says_where(tmp_path):
     run_dir = tmp_path / "run"
     # A discount that is not a number: no recipe's loss can be finite with it.
     overrides = [*tiny_overrides(RECIPE), "algo.gamma=nan", "rpc.heartbeat_timeout=5", f"run_dir={run_dir}"]
-    process = launch(fabric_command(3, "train.py", f"rpc.port={free_port()}", *overrides))
+    process = launch(fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides))
     code, stderr, _ = finish(process, timeout=120)
     assert code != 0
     reports = [line for line in stderr.splitlines() if "stopping:" in line]
-    # Every rank says so: the learners that saw it, and the others. (A learner may say it
-    # twice, when another learner's report reaches it while it reports its own.)
-    assert {line.split(" ")[1] for line in reports} == {"0", "1", "2"}, stderr[-3000:]
+    # Every learner says so: those that saw it, and the others. (A learner may say it twice,
+    # when another learner's report reaches it while it reports its own; the replay process
+    # says it too, unless rank 0 has killed it first.)
+    assert {str(rank) for rank in LEARNERS} <= {line.split(" ")[1] for line in reports}, stderr[-3000:]
     assert all("(learner) failed: non-finite loss" in line and "at frame" in line for line in reports)
     assert processes_of(run_dir) == {}

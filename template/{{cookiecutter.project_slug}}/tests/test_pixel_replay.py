@@ -130,12 +130,13 @@ def test_memmap_storage_writes_its_files_in_the_named_directory(batches, tmp_pat
 
 
 def sample_over_rpc(rank: int, ports: tuple[int, int], result: dict) -> None:
-    """Rank 0 and 1 host a shard each; rank 2, the learner, writes Pong batches to them and
-    checks what it samples back against what it collected."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=3)
-    plan = topology.Topology.plan(world_size=3, rank=rank, replay_ranks=2, uses_replay=True)
-    if plan.role == topology.REPLAY:
-        topology.host("replay", ReplayShard(1000, 0.6, 0.4, "td_error", shard=rank))
+    """Rank 0, the learner, writes Pong batches to two replay processes (ranks 1 and 2, a
+    shard each) and checks what it samples back against what it collected."""
+    plan = topology.Topology(rank, world_size=3, replay_ranks=(1, 2), learner_ranks=(0,))
+    if plan.role == topology.LEARNER:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=0, world_size=1)
+    else:
+        topology.host("replay", ReplayShard(1000, 0.6, 0.4, "td_error", shard=rank - 1))
     batches = pong_batches() if plan.role == topology.LEARNER else None
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
     if plan.role == topology.LEARNER:
@@ -156,8 +157,8 @@ def sample_over_rpc(rank: int, ports: tuple[int, int], result: dict) -> None:
         result["checked"] = checked
         result["shards"] = sorted(set(sample["shard"].tolist()))
         result["sizes"] = [shard.rpc_sync().stats()["size"] for shard in shards]
+        dist.destroy_process_group()
     topology.disconnect(plan)
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -16,10 +16,10 @@ from .conftest import load_script
 train = load_script("train")
 
 
-def make_recorder(tmp_path, stream: io.StringIO, *overrides: str, world_size: int = 1) -> Recorder:
+def make_recorder(tmp_path, stream: io.StringIO, *overrides: str, learners: int = 1) -> Recorder:
     cfg = config.load([f"run_dir={tmp_path}", "total_frames=1000", *overrides], train.DEFAULTS)
     fabric = Fabric(accelerator="cpu", devices=1, loggers=train.make_loggers(cfg))
-    plan = Topology.plan(world_size=world_size, rank=0, replay_ranks=1, uses_replay=True)
+    plan = Topology.plan(learners=learners, rank=0, replay_ranks=1, uses_replay=True)
     return Recorder(fabric, cfg, plan, progress_stream=stream)
 
 
@@ -47,7 +47,7 @@ def test_progress_bar_can_be_turned_off(tmp_path):
 def test_rows_of_one_step_pair_up_by_kind_whatever_order_they_arrive_in(tmp_path):
     """Two learners' training and evaluation rows of one step are separate RPCs: the second
     learner's training row can come after the first one's evaluation row."""
-    recorder = make_recorder(tmp_path, io.StringIO(), "progress=false", world_size=3)
+    recorder = make_recorder(tmp_path, io.StringIO(), "progress=false", learners=2)
     recorder.report(512, {"frames_per_s": 100.0, "train_return": 10.0})
     recorder.report(512, {"eval_return": 30.0})
     recorder.report(512, {"eval_return": 50.0})

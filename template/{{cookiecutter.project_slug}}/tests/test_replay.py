@@ -190,24 +190,27 @@ def test_sampling_across_shards_matches_one_buffer_with_the_same_contents():
 
 
 def surface_a_remote_error(rank: int, ports: tuple[int, int], result: dict) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=2)
-    plan = Topology.plan(world_size=2, rank=rank, replay_ranks=1, uses_replay=True)
-    if plan.role == "replay":
+    """Rank 0 is the learner, rank 1 a replay process (which, as in a run, is in no process
+    group: it joins the RPC world only)."""
+    plan = Topology(rank, world_size=2, replay_ranks=(1,), learner_ranks=(0,))
+    if plan.role == "learner":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=0, world_size=1)
+    else:
         host("replay", ReplayShard(100, ALPHA, BETA, "td_error"))
     connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
     if plan.role == "learner":
-        client = ReplayClient([handle(plan, 0, "replay")], batch_size=8, beta=BETA)
+        client = ReplayClient([handle(plan, 1, "replay")], batch_size=8, beta=BETA)
         client.extend(transitions(0, 10))
         client.extend(TensorDict({"observation": torch.zeros(10, 3)}, [10]))  # the wrong shape
         try:
             client.flush()
-        except Exception as error:  # the replay rank's error, carried back by the future
+        except Exception as error:  # the replay process's error, carried back by the future
             result["error"] = str(error)
+        dist.destroy_process_group()
     disconnect(plan)
-    dist.destroy_process_group()
 
 
-def test_an_error_on_the_replay_rank_surfaces_on_the_learner():
+def test_an_error_in_the_replay_process_surfaces_on_the_learner():
     bind_to_loopback_unless_named("127.0.0.1")
     with mp.Manager() as manager:
         result = manager.dict()

@@ -155,8 +155,9 @@ class Learner:
             )  # fmt: skip
         self.model = self.agent
         if run.learners > 1:
-            # Plain DDP rather than fabric.setup(): Fabric's DDP spans every rank, and the
-            # replay ranks hold no model. This one all-reduces over the learners only.
+            # Plain DDP over the learner group rather than fabric.setup(): the group's own
+            # timeout (learners.timeout) bounds every collective, gradients and checkpoint
+            # barriers alike, apart from the RPC timeout.
             self.model = DistributedDataParallel(
                 self.agent,
                 device_ids=[run.device.index] if run.device.type == "cuda" else None,

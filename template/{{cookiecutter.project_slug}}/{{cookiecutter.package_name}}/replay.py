@@ -1,4 +1,4 @@
-"""Prioritized replay: shards that live on replay ranks, and the learners' client for them.
+"""Prioritized replay: shards that live in replay processes, and the learners' client for them.
 
 Each shard is one ``TensorDictPrioritizedReplayBuffer`` that owns its writer cursor and sum
 tree, so learners write through it over RPC and no cursor is shared between processes (the
@@ -506,7 +506,7 @@ class ReplayClient:
     requests stay in flight (a new one goes out as one arrives), so the learner trains
     while the network works; priorities go back in one call per request. Futures are
     awaited in order (at most ``max_in_flight`` outstanding writes), so an error on a
-    replay rank surfaces on the learner at the next call instead of vanishing.
+    replay process surfaces on the learner at the next call instead of vanishing.
 
     ``extend`` takes a collector batch ``[env copies, steps]``. Stacked pixel observations
     (``is_frame_stack``, decided at the first batch) go frame by frame, each env copy always

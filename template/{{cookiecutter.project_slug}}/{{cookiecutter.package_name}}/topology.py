@@ -1,9 +1,11 @@
-"""Who does what: replay ranks, learner ranks, the learners' process group, the RPC world.
+"""Who does what: learner ranks, replay processes, the learners' process group, the RPC world.
 
-Replay ranks come first (0 .. R-1), each hosting one replay shard; learners after them.
-Rank 0 also keeps the run's records (metrics, summary.json), whatever its role. Objects a
-rank serves over RPC are registered with ``host`` and reached from any rank through
-``handle``.
+Every rank Fabric launches is a learner (ranks 0 .. N-1), so on an N-GPU node all N GPUs
+train. A replay recipe on several learners adds ``replay.ranks`` CPU processes that rank
+0 starts beside them (replay_server.py), each hosting one replay shard; they join the RPC
+world and the watchdog's store as ranks N .. N+R-1, and never Fabric's process group.
+Rank 0 also keeps the run's records (metrics, summary.json). Objects a process serves over
+RPC are registered with ``host`` and reached from any rank through ``handle``.
 """
 
 from __future__ import annotations
@@ -31,21 +33,20 @@ LEARNER = "learner"
 @dataclass(frozen=True)
 class Topology:
     rank: int
-    world_size: int
+    world_size: int  # the RPC world: learners and replay processes
     replay_ranks: tuple[int, ...]
     learner_ranks: tuple[int, ...]
 
     @classmethod
-    def plan(cls, world_size: int, rank: int, replay_ranks: int, uses_replay: bool) -> Topology:
-        """Assign roles; one process keeps its buffer in-process and is its own learner."""
-        if world_size == 1:
+    def plan(cls, learners: int, rank: int, replay_ranks: int, uses_replay: bool) -> Topology:
+        """Assign roles to ``learners`` learner ranks and, for a replay recipe, the replay
+        processes after them. One learner keeps its buffer in-process: no RPC at all."""
+        if learners == 1:
             return cls(rank, 1, (), (0,))
         replay = replay_ranks if uses_replay else 0
         if uses_replay and replay < 1:
-            raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several ranks")
-        if world_size - replay < 1:
-            raise ConfigError(f"replay.ranks={replay} leaves no learner rank among {world_size} ranks")
-        return cls(rank, world_size, tuple(range(replay)), tuple(range(replay, world_size)))
+            raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several learners")
+        return cls(rank, learners + replay, tuple(range(learners, learners + replay)), tuple(range(learners)))
 
     @property
     def role(self) -> str:
@@ -152,14 +153,17 @@ dist.register_rendezvous_handler(BOUND_TCP, _bound_tcp_rendezvous)
 def connect(topology: Topology, address: str, port: int, timeout_s: float, collective_timeout_s: float):
     """Create the learner group and join the RPC world; returns the learner group.
 
-    Every rank calls ``new_group`` in the same order, replay ranks included, as torch
-    requires. RPC gets its own port so it never collides with Fabric's c10d store.
-    ``timeout_s`` bounds an RPC, ``collective_timeout_s`` a collective of the learners.
+    The learner group spans Fabric's ranks, with its own timeout for collectives (a large
+    checkpoint can take longer to write than an RPC may take); replay processes are not in
+    Fabric's process group and join the RPC world only. RPC gets its own port so it never
+    collides with Fabric's c10d store. ``timeout_s`` bounds an RPC.
     """
     if topology.world_size == 1:
         return None
-    collective_timeout = timedelta(seconds=collective_timeout_s)
-    learner_group = dist.new_group(list(topology.learner_ranks), timeout=collective_timeout)
+    learner_group = None
+    if topology.role == LEARNER:
+        timeout = timedelta(seconds=collective_timeout_s)
+        learner_group = dist.new_group(list(topology.learner_ranks), timeout=timeout)
     host = f"[{address}]" if ":" in address else address  # an IPv6 address in a URL
     with warnings.catch_warnings():
         # init_rpc's own device-map exchange trips a torch deprecation warning; not ours to fix.

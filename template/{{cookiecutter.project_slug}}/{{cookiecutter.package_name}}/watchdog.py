@@ -20,6 +20,7 @@ scheduler's hard kill) nothing reaches the ranks, and they would train on alone 
 their ports. The rank's parent changes when the launcher dies (``PR_SET_PDEATHSIG`` would not
 do: it is not inherited across the exec that starts the rank), so the thread compares the
 parent's pid with the one it started under, and every rank exits within a second or two.
+A replay process watches rank 0, its parent, the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -68,16 +70,28 @@ class StopRequest(threading.Event):
 
 
 class Watchdog:
-    def __init__(self, topology: Topology, address: str, port: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        address: str,
+        port: int,
+        timeout_s: float,
+        startup_s: float,
+        parent: str | None = None,
+    ) -> None:
+        """``startup_s``: how long a rank may take to send its first heartbeat (a replay
+        process starts after rank 0 has); ``parent`` names this process's parent when the
+        process must not outlive it."""
         self.topology = topology
         self.timeout_s = timeout_s
+        self.startup_s = startup_s
+        self.children: dict[int, subprocess.Popen] = {}
         self.stop = StopRequest()
         self._closing = threading.Event()
         self.store = None
         if topology.world_size > 1:
             self.store = store(address, port, topology.rank, topology.world_size, timeout_s)
-        # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
-        self.launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self.parent = (parent, os.getppid()) if parent else None
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
 
     @contextmanager
@@ -85,7 +99,7 @@ class Watchdog:
         """Watch the other ranks and catch stop signals while the block runs. An exception
         in the block is logged, told to the other ranks, and ends this process with code 1."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        if self.store is not None or self.launcher is not None:
+        if self.store is not None or self.parent is not None:
             self._thread.start()
         try:
             yield self
@@ -128,8 +142,9 @@ class Watchdog:
         others = [rank for rank in range(self.topology.world_size) if rank != me]
         last_seen = {rank: (-1, time.monotonic()) for rank in others}
         while not self._closing.wait(INTERVAL_S):
-            if self.launcher is not None and os.getppid() != self.launcher:
-                self._give_up(f"the launcher (pid {self.launcher}) is gone: this rank does not outlive it")
+            if self.parent is not None and os.getppid() != self.parent[1]:
+                name, pid = self.parent
+                self._give_up(f"{name} is gone (pid {pid}): this process does not outlive it")
             if self.store is None:
                 continue
             try:
@@ -138,13 +153,19 @@ class Watchdog:
                     self._give_up(self.store.get(FAILED).decode())
                 if not self.stop.is_set() and self.store.check([STOP]):
                     self.stop.request(self.store.get(STOP).decode())
+                for rank, process in self.children.items():
+                    if process.poll():
+                        self._give_up(f"{self.label(rank)} died: {exit_status(process.returncode)}")
                 now = time.monotonic()
                 for rank in others:
                     count = self.store.add(f"beat/{rank}", 0)
                     previous, since = last_seen[rank]
                     if count != previous:
                         last_seen[rank] = (count, now)
-                    elif now - since > self.timeout_s:
+                    elif count == 0 and now - since > self.startup_s:
+                        silent = f"no heartbeat for {self.startup_s:g} s"
+                        self._give_up(f"{self.label(rank)} did not start: {silent}")
+                    elif count > 0 and now - since > self.timeout_s:
                         self._give_up(f"{self.label(rank)} stopped: no heartbeat for {self.timeout_s:g} s")
             except STORE_ERRORS:
                 if self._closing.is_set():
@@ -168,6 +189,11 @@ class Watchdog:
                 self.store.set(f"closed/{me}", "1")
         except STORE_ERRORS as error:
             log.warning("closing the watchdog's store: %s", str(error).splitlines()[0])
+
+    def adopt(self, rank: int, process: subprocess.Popen) -> None:
+        """Watch ``process``, this process's child hosting ``rank``: the run stops if it dies,
+        and it is killed if the run stops on a failure."""
+        self.children[rank] = process
 
     def label(self, rank: int) -> str:
         return f"rank {rank} ({self.topology.roles[str(rank)]})"
@@ -193,16 +219,23 @@ class Watchdog:
         self._tell_others(FAILED, reason)
         if self.topology.rank == 0:
             time.sleep(2 * INTERVAL_S)
-        _exit_now(1)
+        _exit_now(1, list(self.children.values()))
 
 
-def _exit_now(code: int) -> None:
+def exit_status(code: int) -> str:
+    """A child's return code in words."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def _exit_now(code: int, children: list[subprocess.Popen]) -> None:
     """Leave at once: whatever the main thread waits in (an RPC, a gloo collective, the RPC
     shutdown barrier) cannot be woken safely, and interpreter shutdown would wait for it.
-    Child processes (an async collector) are killed first: one that hangs would never
-    notice that this process is gone."""
+    Child processes (an async collector, replay processes) are killed first: one that hangs
+    would never notice that this process is gone."""
     for child in multiprocessing.active_children():
         child.kill()
+    for process in children:
+        process.kill()
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()

@@ -1,0 +1,116 @@
+"""Replay shards in CPU processes of their own, beside the learner ranks.
+
+A replay shard needs memory and a core, not a GPU. So that every rank Fabric launches is a
+learner (``fabric run --devices 8``: eight GPU learners), rank 0 starts one process per
+shard (``replay.ranks``) on its node, with no GPU visible to it. Each joins the RPC world
+and the watchdog's store as the rank after the learners', serves its shard until the
+learners are done, and leaves with the RPC world's shutdown. It stops with the run on a
+failure, and on its own when rank 0 is gone (the watchdog compares its parent's pid).
+
+They are started as ``python -m <package>.replay_server`` rather than with
+multiprocessing: each gets an environment of its own (no GPU, its rank) and a command line
+that ``ps`` and ``top`` tell apart from the learners'. The run's configuration reaches
+them as the ``config.yaml`` rank 0's recorder wrote into run_dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from . import checkpoint, logs, recipes, topology
+from .replay import ReplayShard
+from .watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+
+
+def make_shard(
+    cfg: DictConfig, recipe: ModuleType, plan: topology.Topology, resumed: dict | None
+) -> ReplayShard:
+    """This process's shard of the replay buffer, holding its part of a checkpoint's replay
+    when the run resumes (saved by any number of shards: with another number, the
+    transitions are dealt anew)."""
+    shards = len(plan.shard_ranks)
+    index = plan.shard_ranks.index(plan.rank)
+    shard = ReplayShard(
+        math.ceil(cfg.replay.capacity / shards),
+        cfg.replay.alpha,
+        cfg.replay.beta,
+        recipe.Agent.priority_key,
+        shard=index,
+        storage=cfg.replay.storage,
+        directory=Path(cfg.replay.directory) / f"shard-{index}",
+    )
+    if resumed and resumed["replay"]:
+        saved = [Path(resumed["folder"]) / f"replay-{i}" for i in range(resumed["replay_shards"])]
+        shard.restore(saved, index, shards)
+    return shard
+
+
+def start(
+    cfg: DictConfig, plan: topology.Topology, address: str, port: int, watchdog: Watchdog
+) -> list[subprocess.Popen]:
+    """Rank 0 starts the run's replay processes, which its watchdog watches; they share its
+    standard output and error."""
+    pythonpath = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
+    processes = []
+    for rank in plan.replay_ranks:
+        command = [sys.executable, "-m", __name__, str(Path(cfg.run_dir) / "config.yaml")]
+        command += ["--rank", str(rank), "--learners", str(len(plan.learner_ranks))]
+        command += ["--address", address, "--port", str(port)]
+        env = {**os.environ, "RANK": str(rank), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
+        process = subprocess.Popen(command, env=env)
+        watchdog.adopt(rank, process)
+        processes.append(process)
+    return processes
+
+
+def join(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """Rank 0, once the RPC world has shut down: wait for the replay processes to exit."""
+    for process in processes:
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("replay process %d did not exit within %g s: killed", process.pid, timeout_s)
+            process.kill()
+            process.wait()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="A replay shard beside the learners (started by rank 0).")
+    parser.add_argument("config", type=Path, help="the run's config.yaml, in its run_dir")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--learners", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--port", type=int, required=True, help="the RPC port; the watchdog's is the next")
+    args = parser.parse_args(argv)
+    cfg = OmegaConf.load(args.config)
+    recipe = recipes.load(cfg.recipe)
+    plan = topology.Topology.plan(args.learners, args.rank, cfg.replay.ranks, uses_replay=True)
+    logs.setup(plan.rank, plan.role)
+    # Tree searches and gathers of a few hundred rows gain nothing from more threads.
+    torch.set_num_threads(1)
+    parent = f"rank 0 ({topology.LEARNER})"
+    watchdog = Watchdog(plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent)
+    with watchdog.watching():
+        layout = len(plan.learner_ranks), len(plan.shard_ranks)
+        resumed = checkpoint.check_resume(cfg, *layout) if cfg.resume else None
+        topology.host("replay", make_shard(cfg, recipe, plan, resumed))
+        topology.connect(plan, args.address, args.port, cfg.rpc.timeout, cfg.learners.timeout)
+        topology.disconnect(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
