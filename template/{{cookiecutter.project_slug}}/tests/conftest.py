@@ -150,8 +150,12 @@ def no_run_outlives_its_test():
             process.wait()  # not its output: ranks outside the group may hold the pipes open
 
 
-def fabric_run(devices: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return run_command(fabric_command(devices, "train.py", f"rpc.port={free_port()}", *overrides), timeout)
+def learners_run(learners: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A run of ``learners`` ranks that Fabric launches itself (`python train.py
+    fabric.devices=N`): a process fewer than `fabric run`, whose launcher imports torch and
+    Lightning as a rank does. The fault, checkpoint and preemption tests run `fabric run`."""
+    command = [sys.executable, "train.py", f"fabric.devices={learners}", "fabric.accelerator=cpu"]
+    return run_command([*command, "fabric.strategy=ddp", f"rpc.port={free_port()}", *overrides], timeout)
 
 
 def load_script(name: str):
@@ -231,7 +235,7 @@ def replay_sample(run_dir: Path, priority_key: str) -> dict:
 
 
 def family_run(tmp_path: Path, recipe: str, env_id: str, *extra: str) -> tuple[dict, dict]:
-    result = fabric_run(2, f"recipe={recipe}", f"env.id={env_id}", *SMALL, *extra, f"run_dir={tmp_path}")
+    result = learners_run(2, f"recipe={recipe}", f"env.id={env_id}", *SMALL, *extra, f"run_dir={tmp_path}")
     summary = read_summary(result)
     assert summary["roles"] == {"0": "learner", "1": "learner", "2": "replay"}
     assert summary["frames_collected"] == summary["replay_size"] == 384

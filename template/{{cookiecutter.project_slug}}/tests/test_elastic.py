@@ -30,7 +30,7 @@ from .conftest import (
     REPLAY_RECIPE,
     SMALL,
     collect_one_batch,
-    fabric_run,
+    learners_run,
     load_script,
     needs_replay,
     read_summary,
@@ -243,7 +243,7 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
 def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"recipe={REPLAY_RECIPE}", *SMALL, "replay.capacity=2000", f"run_dir={run_dir}"]
-    first = fabric_run(2, *overrides, "replay.ranks=1")
+    first = learners_run(2, *overrides, "replay.ranks=1")
     assert read_summary(first)["frames_collected"] == 384
     folder = checkpoint.latest(run_dir)
     meta = checkpoint.read_meta(folder)
@@ -261,7 +261,7 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
     assert priority_table([saved]) == pytest.approx(priority_table(dealt), rel=1e-5, abs=1e-9)
 
     # Steps of 3 x 32 frames from 384 to 768; learning started long ago: 2 updates a step.
-    resumed = fabric_run(3, *overrides, "replay.ranks=2", "total_frames=768", f"resume={run_dir}")
+    resumed = learners_run(3, *overrides, "replay.ranks=2", "total_frames=768", f"resume={run_dir}")
     summary = read_summary(resumed)
     assert summary["roles"] == {"0": "learner", "1": "learner", "2": "learner", "3": "replay", "4": "replay"}
     changed = "(learners 2 -> 3, replay shards 1 -> 2)"
@@ -292,14 +292,14 @@ def priority_table(shards: list[ReplayShard]) -> list[tuple]:
 def test_an_on_policy_run_resumes_on_more_learners(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*tiny_overrides("ppo"), "checkpoint.every=1024", f"run_dir={run_dir}"]
-    read_summary(fabric_run(2, *overrides, "total_frames=1024"))
+    read_summary(learners_run(2, *overrides, "total_frames=1024"))
     folder = checkpoint.latest(run_dir)
     meta = checkpoint.read_meta(folder)
     assert (meta["learners"], meta["replay_shards"]) == (2, 0)
     assert sorted(path.name for path in folder.glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
 
     # One step of 3 x 256 frames: 1024 to 1792; 2 epochs of 2 minibatches each.
-    resumed = fabric_run(3, *overrides, "total_frames=1792", f"resume={run_dir}")
+    resumed = learners_run(3, *overrides, "total_frames=1792", f"resume={run_dir}")
     summary = read_summary(resumed)
     line = f"resumed from {folder} at frame 1024, update {meta['updates']} (learners 2 -> 3)"
     assert line in resumed.stderr

@@ -1,4 +1,4 @@
-"""The real entry point: one process, and several ranks launched by `fabric run` and by Fabric."""
+"""The real entry point: one process, and several ranks launched by Fabric and by `fabric run`."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from .conftest import (
     command_env,
     expected_updates,
     fabric_command,
-    fabric_run,
     free_port,
+    learners_run,
     load_script,
     read_summary,
     run_command,
@@ -96,14 +96,12 @@ def test_a_run_shorter_than_log_every_records_its_metrics_and_its_checkpoint_pla
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
-    """Through `fabric run`; the first recipe's ranks are launched by Fabric itself
-    (`python train.py fabric.devices=2`), the other way a user starts several ranks."""
-    if recipe == RECIPES[0]:
-        command = [sys.executable, "train.py", "fabric.devices=2", "fabric.accelerator=cpu"]
-        command += [f"rpc.port={free_port()}", *tiny_overrides(recipe), f"run_dir={tmp_path}"]
-        result = run_command(command)
-    else:
-        result = fabric_run(2, *tiny_overrides(recipe), f"run_dir={tmp_path}")
+    """Launched by Fabric itself (`python train.py fabric.devices=2`; the tests of faults,
+    checkpoints and preemption run `fabric run`). The first replay recipe collects
+    asynchronously: the replay ratio holds and the policy lag is reported."""
+    collect_async = recipe == REPLAY_RECIPE
+    overrides = ["collector.mode=async", "collector.weight_sync_every=2"] if collect_async else []
+    result = learners_run(2, *tiny_overrides(recipe), *overrides, f"run_dir={tmp_path}")
     summary = read_summary(result)
     if recipes.load(recipe).Agent.uses_replay:  # and rank 0 starts a replay process beside them
         roles, replay_size = {"0": "learner", "1": "learner", "2": "replay"}, 3072
@@ -111,9 +109,19 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
         roles, replay_size = {"0": "learner", "1": "learner"}, 0
     assert summary["roles"] == roles
     assert summary["frames_collected"] == 3072 and summary["replay_size"] == replay_size
-    assert summary["updates"] == expected_updates(recipe, 2)
+    updates = expected_updates(recipe, 2)
+    assert summary["updates"] == updates
     checksums = list(summary["learner_param_checksums"].values())
     assert len(checksums) == 2 and len(set(checksums)) == 1  # the learners stayed identical
+    if collect_async:
+        assert summary["collector_mode"] == "async"
+        # As many samples per inserted frame as sync mode: the updates of a batch on each
+        # of two learners, for 3072 frames.
+        batch_size = recipes.load(recipe).Config().batch_size
+        assert summary["samples_per_insert"] == pytest.approx(2 * updates * batch_size / 3072)
+        # A batch is collected while the learner trains on the one before it (4 updates),
+        # with weights pushed every 2 updates: its frames are at most 4 + 2 - 1 updates old.
+        assert 0 < summary["policy_lag"] <= 5
     assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
     # Rank 0 logs with its rank in front; the others keep their information to themselves.
     assert "[rank 0] INFO lightning.fabric" in result.stderr, result.stderr[-3000:]
@@ -144,22 +152,6 @@ def check_two_learner_summary(summary: dict) -> None:
     assert [row["frames"] for row in summary["eval_history"]] == [2048]
 
 
-@pytest.mark.slow
-def test_async_collection_on_two_learners_keeps_the_replay_ratio_and_reports_the_lag(tmp_path, tiny):
-    summary = read_summary(
-        fabric_run(2, *tiny, "collector.mode=async", "collector.weight_sync_every=2", f"run_dir={tmp_path}")
-    )
-    assert summary["collector_mode"] == "async"
-    check_two_learner_summary(summary)
-    # As many samples per inserted frame as sync mode: 20 updates of a batch on each of
-    # two learners, for 3072 frames.
-    batch_size = recipes.load(REPLAY_RECIPE).Config().batch_size
-    assert summary["samples_per_insert"] == pytest.approx(2 * 20 * batch_size / 3072)
-    # A batch is collected while the learner trains on the one before it (4 updates), with
-    # weights pushed every 2 updates: its frames are at most 4 + 2 - 1 updates old.
-    assert 0 < summary["policy_lag"] <= 5
-
-
 def test_sync_collection_is_reproducible(tmp_path, one_process_runs):
     _, first = one_process_runs(RECIPES[0])
     second = one_process_run(tmp_path / "again", RECIPES[0])
@@ -168,7 +160,7 @@ def test_sync_collection_is_reproducible(tmp_path, one_process_runs):
 
 @pytest.mark.slow
 def test_bad_input_under_fabric_run_is_reported_and_fails():
-    result = fabric_run(2, "total_frames=0", timeout=120)
+    result = run_command(fabric_command(2, "train.py", "total_frames=0"), timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("error: total_frames must be > 0, got 0") == 1, result.stderr[-2000:]
 

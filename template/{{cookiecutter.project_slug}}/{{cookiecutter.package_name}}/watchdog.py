@@ -153,7 +153,7 @@ class Watchdog:
                     self._give_up(self.store.get(FAILED).decode())
                 if not self.stop.is_set() and self.store.check([STOP]):
                     self.stop.request(self.store.get(STOP).decode())
-                for rank, process in self.children.items():
+                for rank, process in list(self.children.items()):  # adopt() may add one meanwhile
                     if process.poll():
                         self._give_up(f"{self.label(rank)} died: {exit_status(process.returncode)}")
                 now = time.monotonic()
