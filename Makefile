@@ -1,5 +1,5 @@
 # Two commands for a fresh machine with Python 3.11 and pip:
-#   make demo   install, generate a project, train DQN on CartPole with 3 CPU ranks
+#   make demo   install, generate a project, train DQN on CartPole with 2 CPU learners
 #   make test   install, then test the template, the recipes and a generated project
 PYTHON ?= python3.11
 VENV ?= .venv
