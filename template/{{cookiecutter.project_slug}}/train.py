@@ -135,6 +135,9 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
     watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent=launcher)
     with watchdog.watching():
         summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog)
+    # Only now, with no heartbeats watched: a replay process stops beating once it has left
+    # the RPC world, and may take a few seconds more to exit.
+    replay_server.join(list(watchdog.children.values()), cfg.rpc.heartbeat_timeout)
     if summary is not None:
         print(f"summary: {summary}")
     if watchdog.stop.signal == "SIGUSR1" and plan.rank == 0:
@@ -160,12 +163,11 @@ def play_role(
     resumed = checkpoint.check_resume(cfg, *layout(plan, recipe)) if cfg.resume else None
     uses_replay = recipe.Agent.uses_replay
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
-    servers = []
     if plan.rank == 0:
         topology.host("recorder", Recorder(fabric, cfg, plan, resumed=resumed))
         if uses_replay and plan.world_size == 1:
             topology.host("replay", replay_server.make_shard(cfg, recipe, plan, resumed))
-        servers = replay_server.start(cfg, plan, address, port, watchdog)
+        replay_server.start(cfg, plan, address, port, watchdog)
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
     if resumed and plan.rank == 0:
         log.info("%s", resumed_line(plan, resumed, uses_replay))
@@ -194,7 +196,6 @@ def play_role(
             shards = [topology.handle(plan, rank, "replay").rpc_sync().stats() for rank in plan.shard_ranks]
         summary = records.close(shards)
     topology.disconnect(plan)
-    replay_server.join(servers, cfg.rpc.heartbeat_timeout)
     return summary
 
 

@@ -58,26 +58,21 @@ def make_shard(
     return shard
 
 
-def start(
-    cfg: DictConfig, plan: topology.Topology, address: str, port: int, watchdog: Watchdog
-) -> list[subprocess.Popen]:
-    """Rank 0 starts the run's replay processes, which its watchdog watches; they share its
-    standard output and error."""
+def start(cfg: DictConfig, plan: topology.Topology, address: str, port: int, watchdog: Watchdog) -> None:
+    """Rank 0 starts the run's replay processes, which its watchdog watches (``children``);
+    they share its standard output and error."""
     pythonpath = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
-    processes = []
     for rank in plan.replay_ranks:
         command = [sys.executable, "-m", __name__, str(Path(cfg.run_dir) / "config.yaml")]
         command += ["--rank", str(rank), "--learners", str(len(plan.learner_ranks))]
         command += ["--address", address, "--port", str(port)]
         env = {**os.environ, "RANK": str(rank), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-        process = subprocess.Popen(command, env=env)
-        watchdog.adopt(rank, process)
-        processes.append(process)
-    return processes
+        watchdog.adopt(rank, subprocess.Popen(command, env=env))
 
 
 def join(processes: list[subprocess.Popen], timeout_s: float) -> None:
-    """Rank 0, once the RPC world has shut down: wait for the replay processes to exit."""
+    """Rank 0, once the RPC world has shut down and its watchdog has stopped: wait for the
+    replay processes to exit."""
     for process in processes:
         try:
             process.wait(timeout_s)

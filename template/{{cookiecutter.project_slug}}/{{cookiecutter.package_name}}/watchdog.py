@@ -162,11 +162,12 @@ class Watchdog:
                     previous, since = last_seen[rank]
                     if count != previous:
                         last_seen[rank] = (count, now)
-                    elif count == 0 and now - since > self.startup_s:
-                        silent = f"no heartbeat for {self.startup_s:g} s"
-                        self._give_up(f"{self.label(rank)} did not start: {silent}")
-                    elif count > 0 and now - since > self.timeout_s:
-                        self._give_up(f"{self.label(rank)} stopped: no heartbeat for {self.timeout_s:g} s")
+                        continue
+                    limit = self.startup_s if count == 0 else self.timeout_s
+                    # A rank that closed its watchdog has finished (it stops beating then), not died.
+                    if now - since > limit and not self.store.check([f"closed/{rank}"]):
+                        what = "did not start" if count == 0 else "stopped"
+                        self._give_up(f"{self.label(rank)} {what}: no heartbeat for {limit:g} s")
             except STORE_ERRORS:
                 if self._closing.is_set():
                     return
