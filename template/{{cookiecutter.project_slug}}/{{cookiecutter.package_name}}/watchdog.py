@@ -1,11 +1,14 @@
 """Every rank watches every other, so no rank waits forever for one that died.
 
-Each rank bumps a heartbeat counter in a key-value store every second, and a background
-thread reads everybody's. When a rank's counter stops moving for ``timeout`` seconds (it was
-killed, ran out of memory, or hangs), or a rank reports that it failed, every other rank
-logs one line naming that rank and its role and exits with code 1, whatever it was waiting
-for: an RPC, a collective, the final barrier. The store is torch's ``TCPStore``, hosted by
-rank 0 on its own port; when rank 0 dies its store goes with it, and the others name rank 0.
+Each rank (learners and replay processes alike) bumps a heartbeat counter in a key-value
+store every second, and a background thread reads everybody's. When a rank's counter stops
+moving for ``timeout`` seconds (it was killed, ran out of memory, or hangs), or a rank
+reports that it failed, every other rank logs one line naming that rank and its role and
+exits with code 1, whatever it was waiting for: an RPC, a collective, the final barrier.
+A rank's first beat may take ``startup_s`` (replay processes start after rank 0), and a
+rank that closed its watchdog at the end of the run has finished, not died. The store is
+torch's ``TCPStore``, hosted by rank 0 on its own port; when rank 0 dies its store goes
+with it, and the others name rank 0. Rank 0 also polls its replay processes, its children.
 
 Why not leave it to the launcher: ``fabric run`` (torchrun) stops all ranks when one exits,
 but Fabric's own launcher and ``srun`` do not, and no launcher tells the ranks which rank
