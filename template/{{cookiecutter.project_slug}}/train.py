@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         if learners:
             plan = topology.Topology.plan(learners, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
             if cfg.resume:
-                checkpoint.check_resume(cfg, *layout(plan, recipe))
+                checkpoint.check_resume(cfg, *plan.layout(recipe.Agent.uses_replay))
     except config.ConfigError as error:
         # Under `fabric run` every rank checks the same config and rank 0 says what is
         # wrong. The others wait a moment: the launcher stops all ranks as soon as one exits.
@@ -160,7 +160,7 @@ def play_role(
     watchdog: Watchdog,
 ) -> Path | None:
     """Host, connect, train, and write the records; rank 0 returns the summary."""
-    resumed = checkpoint.check_resume(cfg, *layout(plan, recipe)) if cfg.resume else None
+    resumed = checkpoint.check_resume(cfg, *plan.layout(recipe.Agent.uses_replay)) if cfg.resume else None
     uses_replay = recipe.Agent.uses_replay
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
     if plan.rank == 0:
@@ -230,11 +230,6 @@ def requeue() -> None:
         log.warning("SLURM job %s requeued: it goes on from its last checkpoint", job)
     else:
         log.error("scontrol requeue %s failed: %s", job, result.stderr.strip())
-
-
-def layout(plan: topology.Topology, recipe: ModuleType) -> tuple[int, int]:
-    """The number of learners and of replay shards, as checkpoints record them."""
-    return len(plan.learner_ranks), len(plan.shard_ranks) if recipe.Agent.uses_replay else 0
 
 
 if __name__ == "__main__":

@@ -99,8 +99,7 @@ def main(argv: list[str]) -> int:
     parent = f"rank 0 ({topology.LEARNER})"
     watchdog = Watchdog(plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent)
     with watchdog.watching():
-        layout = len(plan.learner_ranks), len(plan.shard_ranks)
-        resumed = checkpoint.check_resume(cfg, *layout) if cfg.resume else None
+        resumed = checkpoint.check_resume(cfg, *plan.layout(uses_replay=True)) if cfg.resume else None
         topology.host("replay", make_shard(cfg, recipe, plan, resumed))
         topology.connect(plan, args.address, args.port, cfg.rpc.timeout, cfg.learners.timeout)
         topology.disconnect(plan)

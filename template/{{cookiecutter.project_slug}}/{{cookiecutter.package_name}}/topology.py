@@ -60,6 +60,10 @@ class Topology:
     def learner_index(self) -> int:
         return self.learner_ranks.index(self.rank)
 
+    def layout(self, uses_replay: bool) -> tuple[int, int]:
+        """The number of learners and of replay shards, as checkpoints record them."""
+        return len(self.learner_ranks), len(self.shard_ranks) if uses_replay else 0
+
     @property
     def shard_ranks(self) -> tuple[int, ...]:
         """Ranks holding a replay shard; rank 0 itself when there is one process."""
