@@ -3,12 +3,13 @@
 #   make test   install, then test the template, the recipes and a generated project
 PYTHON ?= python3.11
 VENV ?= .venv
+TRACKERS_VENV ?= .venv-trackers
 DEMO_DIR ?= build/demo
 BIN := $(VENV)/bin
 
 .PHONY: install demo test lint clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(TRACKERS_VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -17,6 +18,19 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -c "from torchrl.data import TensorDictPrioritizedReplayBuffer as B, LazyTensorStorage as S; B(alpha=0.6, beta=0.4, storage=S(8)); print('prioritized replay buffer: ok')"
 	$(BIN)/python -c "import ale_py, minatar, mujoco; print('env families atari, minatar, mujoco: ok')"
+	touch $@
+
+# The generated project's [wandb] and [mlflow] extras, for its tracker tests, in a venv of
+# their own that sees the main one's packages: Lightning's loggers bring torchmetrics, which
+# Fabric imports whenever it is installed (about 3 s of CPU for every process a test starts).
+SITE_PACKAGES = $(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+$(TRACKERS_VENV)/.installed: $(VENV)/.installed
+	rm -rf $(TRACKERS_VENV)
+	$(PYTHON) -m venv $(TRACKERS_VENV)
+	echo "import site; site.addsitedir('$$($(call SITE_PACKAGES,$(VENV)))')" \
+		> "$$($(call SITE_PACKAGES,$(TRACKERS_VENV)))/main-venv.pth"
+	$(TRACKERS_VENV)/bin/python -m pip install --quiet "wandb>=0.19" "mlflow>=2.8" "pytorch-lightning>=2.6.6,<2.7"
+	$(TRACKERS_VENV)/bin/python -c "import wandb, mlflow, pytorch_lightning, torchrl; print('trackers wandb, mlflow: ok')"
 	touch $@
 
 DEMO_RUN := $(DEMO_DIR)/my-rl-project/runs/demo
@@ -36,10 +50,10 @@ demo: install
 	@echo "results: $(DEMO_RUN) (summary.json, metrics.csv, learning_curve.png, checkpoints/final.pt)"
 
 test: install
-	$(BIN)/python -m pytest
+	TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check recipes tests template/hooks
 
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(TRACKERS_VENV) build

@@ -24,8 +24,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning_fabric import Fabric
+from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, replay_server, topology, usage
@@ -81,12 +81,13 @@ def make_loggers(cfg: DictConfig) -> list:
     run_name = Path(cfg.run_dir).name
 
     def wandb():
-        from lightning.pytorch.loggers import WandbLogger  # lightning.pytorch: slow to import, rarely needed
+        # pytorch_lightning (the [wandb] and [mlflow] extras) is slow to import: only when asked.
+        from pytorch_lightning.loggers import WandbLogger
 
         return WandbLogger(name=run_name, project=cfg.experiment, save_dir=cfg.run_dir)
 
     def mlflow():
-        from lightning.pytorch.loggers import MLFlowLogger
+        from pytorch_lightning.loggers import MLFlowLogger
 
         uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
         return MLFlowLogger(cfg.experiment, run_name, tracking_uri=uri)

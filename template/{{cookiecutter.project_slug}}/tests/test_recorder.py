@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import math
 
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.recorder import Recorder

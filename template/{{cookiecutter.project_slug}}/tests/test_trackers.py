@@ -17,7 +17,9 @@ from .conftest import RECIPES, read_summary, run_command, tiny_overrides
 
 RECIPE = RECIPES[0]
 pytestmark = pytest.mark.slow
-TRACKERS = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
+# Lightning's loggers for them come with either extra.
+LIGHTNING = importlib.util.find_spec("pytorch_lightning") is not None
+TRACKERS = [name for name in ("wandb", "mlflow") if LIGHTNING and importlib.util.find_spec(name)]
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
         assert 0 < summary["policy_lag"] <= 5
     assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
     # Rank 0 logs with its rank in front; the others keep their information to themselves.
-    assert "[rank 0] INFO lightning.fabric" in result.stderr, result.stderr[-3000:]
+    assert "[rank 0] INFO lightning_fabric" in result.stderr, result.stderr[-3000:]
     assert "GLOBAL_RANK: 1" not in result.stderr
 
 

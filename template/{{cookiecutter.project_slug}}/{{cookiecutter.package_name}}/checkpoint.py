@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.fabric.utilities.seed import seed_everything
+from lightning_fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
 from . import recipes

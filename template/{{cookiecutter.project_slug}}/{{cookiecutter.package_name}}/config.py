@@ -211,8 +211,10 @@ def validate(cfg: DictConfig) -> None:
     if unknown:
         raise ConfigError(f"unknown logger '{unknown[0]}' in loggers (choose from {', '.join(LOGGERS)})")
     for tracker in ("wandb", "mlflow"):
-        if tracker in cfg.loggers and importlib.util.find_spec(tracker) is None:
-            raise ConfigError(f"loggers: {tracker} is not installed (pip install -e '.[{tracker}]')")
+        # Lightning's loggers for them come with the extra too (pytorch_lightning).
+        missing = [name for name in (tracker, "pytorch_lightning") if importlib.util.find_spec(name) is None]
+        if tracker in cfg.loggers and missing:
+            raise ConfigError(f"loggers: {tracker} needs {missing[0]} (pip install -e '.[{tracker}]')")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
     if cfg.env.vectorization not in envs.VECTORIZATIONS:

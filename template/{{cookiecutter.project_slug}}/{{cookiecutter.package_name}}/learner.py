@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.seed import seed_everything
+from lightning_fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel

@@ -19,11 +19,10 @@ def setup(rank: int, role: str | None = None) -> None:
         level=logging.INFO if rank == 0 else logging.WARNING,
         force=True,
     )
-    # Lightning gives its loggers handlers of their own at INFO when nothing is configured;
-    # route their lines through the labelled handler and let the level above decide.
-    for name in ("lightning", "lightning.fabric"):
-        logger = logging.getLogger(name)
-        logger.handlers.clear()
-        logger.setLevel(logging.NOTSET)
-        logger.propagate = True
+    # Fabric gives its logger a handler of its own at INFO when nothing is configured; route
+    # its lines through the labelled handler and let the level above decide.
+    logger = logging.getLogger("lightning_fabric")
+    logger.handlers.clear()
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
     logging.captureWarnings(True)  # Python warnings get the label too

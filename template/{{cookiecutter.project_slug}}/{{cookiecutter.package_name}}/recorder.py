@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -201,7 +201,7 @@ class Recorder:
 
 def trackers(fabric: Fabric) -> list:
     """The experiment trackers among Fabric's loggers (W&B, MLflow): they take the config
-    and the summary too. Told apart by class name, so that lightning.pytorch (slow to
+    and the summary too. Told apart by class name, so that pytorch_lightning (slow to
     import) is imported only by runs that use one."""
     return [logger for logger in fabric.loggers if type(logger).__name__ in ("WandbLogger", "MLFlowLogger")]
 

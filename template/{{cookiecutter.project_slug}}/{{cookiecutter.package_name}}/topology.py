@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlparse
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning_fabric.plugins.environments import SLURMEnvironment
 
 from .config import ConfigError
 
