@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 
 def learning_curve(
     path: Path, train: list[tuple[int, float]], evaluation: list[tuple[int, float]], title: str
 ) -> Path:
     """Training and greedy evaluation returns against frames, as a PNG at ``path``."""
+    # Imported here: matplotlib costs every process half a second to import, and only rank
+    # 0 draws, once, at the end.
+    from matplotlib.figure import Figure
+
     # Figure without pyplot: no GUI backend, no global state, safe on any rank or thread.
     figure = Figure(figsize=(7, 4), layout="constrained")
     axes = figure.subplots()
