@@ -62,6 +62,7 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         base = PROJECT / "runs" / "benchmarks" / f"resume-{args.recipe}-seed{seed}"
+        shutil.rmtree(base, ignore_errors=True)  # a rerun resumes from its own checkpoints only
         whole = fabric_run(args, base / "whole", f"seed={seed}", f"total_frames={args.frames}")
         half = args.frames // 2
         fabric_run(args, base / "resumed", f"seed={seed}", f"total_frames={half}", f"checkpoint.every={half}")

@@ -147,6 +147,17 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert kept == ["frames-000000002048", "frames-000000003072"]
 
 
+def test_a_checkpoint_replaces_one_an_earlier_run_left_at_the_same_frame_count(tmp_path):
+    earlier = checkpoint.training_dir(tmp_path, 1024)
+    earlier.mkdir(parents=True)
+    (earlier / "stale").write_text("from an earlier run in this run_dir")
+    partial = checkpoint.partial_dir(earlier)
+    partial.mkdir()
+    (partial / checkpoint.META).write_text("{}")
+    checkpoint.commit(partial, earlier, keep=2)
+    assert sorted(p.name for p in earlier.iterdir()) == [checkpoint.META] and not partial.exists()
+
+
 @needs_replay
 @pytest.mark.parametrize(
     ("argv", "message"),

@@ -116,7 +116,10 @@ def partial_dir(final: Path) -> Path:
 
 
 def commit(partial: Path, final: Path, keep: int) -> None:
-    """Make a fully written checkpoint visible (one rename), then keep the newest ``keep``."""
+    """Make a fully written checkpoint visible (one rename), then keep the newest ``keep``.
+    A checkpoint at the same frame count, left in this run_dir by an earlier run, gives way."""
+    if final.exists():
+        shutil.rmtree(final)
     partial.replace(final)
     for old in sorted(final.parent.glob(f"{PREFIX}*"))[:-keep]:
         shutil.rmtree(old)
