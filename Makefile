@@ -49,11 +49,8 @@ demo: install
 		$(DEMO_RUN)/summary.json
 	@echo "results: $(DEMO_RUN) (summary.json, metrics.csv, learning_curve.png, checkpoints/final.pt)"
 
-# Two tests at a time: the default project's suite (itself two test modules at a time) on
-# one worker; the other bakes, the other project's and the trackers' tests on the other,
-# in the gaps where the suite's ranks wait.
 test: install
-	TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest -n 2 --dist load
+	TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest
 
 lint: install
 	$(BIN)/ruff check recipes tests template/hooks
