@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The generated project's [wandb] and [mlflow] extras, for its tracker tests, in a venv of
 # their own that sees the main one's packages: Lightning's loggers bring torchmetrics, which
-# Fabric imports whenever it is installed (about 3 s of CPU for every process a test starts).
+# Fabric imports whenever it is installed (about 2 s of CPU for every process a test starts).
 SITE_PACKAGES = $(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"
 $(TRACKERS_VENV)/.installed: $(VENV)/.installed
 	rm -rf $(TRACKERS_VENV)

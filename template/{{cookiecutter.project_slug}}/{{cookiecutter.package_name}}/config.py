@@ -210,10 +210,10 @@ def validate(cfg: DictConfig) -> None:
     unknown = sorted(set(cfg.loggers) - set(LOGGERS))
     if unknown:
         raise ConfigError(f"unknown logger '{unknown[0]}' in loggers (choose from {', '.join(LOGGERS)})")
-    for tracker in ("wandb", "mlflow"):
+    for tracker in [name for name in ("wandb", "mlflow") if name in cfg.loggers]:
         # Lightning's loggers for them come with the extra too (pytorch_lightning).
         missing = [name for name in (tracker, "pytorch_lightning") if importlib.util.find_spec(name) is None]
-        if tracker in cfg.loggers and missing:
+        if missing:
             raise ConfigError(f"loggers: {tracker} needs {missing[0]} (pip install -e '.[{tracker}]')")
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
