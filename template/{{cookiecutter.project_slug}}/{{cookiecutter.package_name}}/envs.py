@@ -67,12 +67,12 @@ def family_of(env_id: str) -> str:
     """The family of a registered env id; EnvUnavailable names the pip command when the
     family's package is missing."""
     name = registered_name(env_id)
-    if name not in gym.registry:
-        register_installed_envs()
-    if name not in gym.registry:
-        family = NAMESPACES.get(name.split("/")[0]) if "/" in name else None
-        if family is not None:
+    family = NAMESPACES.get(name.split("/")[0]) if "/" in name else None
+    if name not in gym.registry and family is not None:
+        if not installed(NEEDS[family][0]):
             raise missing_extra(env_id, family)
+        register_envs(family)
+    if name not in gym.registry:
         raise EnvUnavailable(f"unknown env id '{env_id}' (not registered with gymnasium)")
     entry_point = gym.spec(name).entry_point
     entry_point = entry_point if isinstance(entry_point, str) else entry_point.__module__
@@ -108,15 +108,15 @@ def installed(module: str) -> bool:
 
 
 @functools.cache
-def register_installed_envs() -> None:
-    """Register the ids of the env packages that are installed: ale-py and minatar register
-    theirs only when asked (gymnasium 1.x loads no plugins by itself). Called for ids not
-    registered yet: importing minatar takes seconds (it imports seaborn)."""
-    if installed("ale_py"):
+def register_envs(family: str) -> None:
+    """Register the ids of ``family``'s package: ale-py and minatar register theirs only
+    when asked (gymnasium 1.x loads no plugins by itself). One family at a time: importing
+    minatar takes seconds (it imports seaborn), which an Atari run need not pay."""
+    if family == ATARI:
         import ale_py
 
         gym.register_envs(ale_py)
-    if installed("minatar.gym"):
+    elif family == MINATAR:
         import minatar.gym
 
         minatar.gym.register_envs()
