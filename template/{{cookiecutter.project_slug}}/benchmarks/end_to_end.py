@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,7 @@ WORKLOADS = {
 
 def train(learners: int, mode: str, args: argparse.Namespace) -> dict:
     run_dir = PROJECT / "runs" / "benchmarks" / f"end-to-end-{learners}-{mode}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     # One process gets one torch thread: the async collector's process takes the other core.
     launch = ["fabric.devices=1", "threads=1"] if learners == 1 else [f"fabric.devices={learners}"]
     command = [

@@ -78,6 +78,7 @@ if "StragglerCartPole-v1" not in gym.registry:
 
 def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], step_ms: float) -> dict:
     run_dir = PROJECT / "runs" / "benchmarks" / f"stragglers-{name}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [
         fabric,

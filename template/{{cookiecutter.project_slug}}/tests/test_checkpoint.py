@@ -147,10 +147,11 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
     assert kept == ["frames-000000002048", "frames-000000003072"]
 
 
-def test_a_checkpoint_replaces_one_an_earlier_run_left_at_the_same_frame_count(tmp_path):
+def test_a_checkpoint_replaces_one_at_the_same_frame_count(tmp_path):
+    """As when a run resumed from an older checkpoint of its run_dir gets to a later one."""
     earlier = checkpoint.training_dir(tmp_path, 1024)
     earlier.mkdir(parents=True)
-    (earlier / "stale").write_text("from an earlier run in this run_dir")
+    (earlier / "stale").write_text("from before the resume")
     partial = checkpoint.partial_dir(earlier)
     partial.mkdir()
     (partial / checkpoint.META).write_text("{}")
@@ -177,6 +178,20 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_one_error_line(tmp_path, caps
     assert train.main([*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", *argv, "--print-config"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message.format(recipe=REPLAY_RECIPE) in lines[0], lines
+
+
+@needs_replay
+def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_one_error_line(tmp_path, capsys):
+    """Rerunning a command into the same run_dir without resume: the earlier run's
+    checkpoints stay as they were, and resume=auto goes on from its newest."""
+    OneLearner(tmp_path).save(1024)
+    overrides = [*tiny_overrides(REPLAY_RECIPE), f"run_dir={tmp_path}", "--print-config"]
+    assert train.main(overrides) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: run_dir {tmp_path} holds checkpoints of an earlier run (newest: frames-000000001024): "
+        f"resume={tmp_path} goes on from it; or choose another run_dir"
+    )
+    assert train.main([*overrides, "resume=auto"]) == 0
 
 
 def test_resume_from_nothing_is_one_error_line(tmp_path, capsys):

@@ -117,7 +117,8 @@ def partial_dir(final: Path) -> Path:
 
 def commit(partial: Path, final: Path, keep: int) -> None:
     """Make a fully written checkpoint visible (one rename), then keep the newest ``keep``.
-    A checkpoint at the same frame count, left in this run_dir by an earlier run, gives way."""
+    A checkpoint at the same frame count gives way: a run resumed from an older checkpoint
+    of its own run_dir writes the later ones again."""
     if final.exists():
         shutil.rmtree(final)
     partial.replace(final)
@@ -149,6 +150,18 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 
 AUTO = "auto"
+
+
+def check_fresh(run_dir: str | Path) -> None:
+    """A run without ``resume`` starts from nothing, so its run_dir must hold no training
+    checkpoint: one left by an earlier run would mix the two runs' checkpoints, and a later
+    ``resume=auto`` could go on from the earlier run's newest."""
+    found = sorted((Path(run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}"))
+    if found:
+        raise ConfigError(
+            f"run_dir {run_dir} holds checkpoints of an earlier run (newest: {found[-1].parent.name}): "
+            f"resume={run_dir} goes on from it; or choose another run_dir"
+        )
 
 
 def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any] | None:
