@@ -152,15 +152,19 @@ def read_meta(folder: Path) -> dict[str, Any]:
 AUTO = "auto"
 
 
-def check_fresh(run_dir: str | Path) -> None:
-    """A run without ``resume`` starts from nothing, so its run_dir must hold no training
-    checkpoint: one left by an earlier run would mix the two runs' checkpoints, and a later
-    ``resume=auto`` could go on from the earlier run's newest."""
-    found = sorted((Path(run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}"))
-    if found:
+def check_run_dir(cfg: DictConfig) -> None:
+    """The checkpoints in a run_dir are one run's line of history: it may hold some only
+    when this run goes on from the newest of them (``resume=auto`` always does). Otherwise
+    two runs' checkpoints would mix, and a later ``resume=auto`` could go on from the other
+    run's newest: a fresh start in a used run_dir, or a resume from an older checkpoint."""
+    found = sorted((Path(cfg.run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}"))
+    if not found or cfg.resume == AUTO:
+        return
+    newest = found[-1].parent
+    if cfg.resume is None or latest(cfg.resume).resolve() != newest.resolve():
         raise ConfigError(
-            f"run_dir {run_dir} holds checkpoints of an earlier run (newest: {found[-1].parent.name}): "
-            f"resume={run_dir} goes on from it; or choose another run_dir"
+            f"run_dir {cfg.run_dir} holds checkpoints up to {newest.name}, which this run would not go "
+            f"on from: resume={cfg.run_dir} goes on from them; or choose another run_dir"
         )
 
 
