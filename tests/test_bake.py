@@ -164,8 +164,9 @@ def test_generated_project_tests_pass(cookies):
 
 
 # The venv with the generated project's [wandb] and [mlflow] extras on top of the main one
-# (`make install` builds it; the Makefile says why it is apart).
-TRACKERS_PYTHON = Path(os.environ.get("TRACKERS_PYTHON", REPO / ".venv-trackers" / "bin" / "python"))
+# (`make install` builds it; the Makefile says why it is apart). Absolute, as the project's
+# tests run in its folder; not resolved, which would follow the venv's python symlink out.
+TRACKERS_PYTHON = Path(os.environ.get("TRACKERS_PYTHON", REPO / ".venv-trackers/bin/python")).absolute()
 
 
 @pytest.mark.slow
