@@ -148,7 +148,7 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
 
 
 def test_a_checkpoint_replaces_one_at_the_same_frame_count(tmp_path):
-    """As when a run resumed from an older checkpoint of its run_dir gets to a later one."""
+    """As when a resumed run is stopped before its first step: it checkpoints the same frame."""
     earlier = checkpoint.training_dir(tmp_path, 1024)
     earlier.mkdir(parents=True)
     (earlier / "stale").write_text("from before the resume")

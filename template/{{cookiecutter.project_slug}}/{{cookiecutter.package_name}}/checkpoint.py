@@ -117,8 +117,8 @@ def partial_dir(final: Path) -> Path:
 
 def commit(partial: Path, final: Path, keep: int) -> None:
     """Make a fully written checkpoint visible (one rename), then keep the newest ``keep``.
-    A checkpoint at the same frame count gives way: a run resumed from an older checkpoint
-    of its own run_dir writes the later ones again."""
+    A checkpoint at the same frame count gives way: a resumed run stopped (SIGINT, SIGTERM)
+    before its first step writes its checkpoint again."""
     if final.exists():
         shutil.rmtree(final)
     partial.replace(final)
