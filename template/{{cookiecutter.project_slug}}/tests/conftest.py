@@ -240,16 +240,10 @@ def replay_sample(run_dir: Path, priority_key: str) -> dict:
     return batch
 
 
-def family_run(tmp_path: Path, recipe: str, env_id: str, *extra: str, learners: int = 2) -> tuple[dict, dict]:
-    """A SMALL run of ``recipe`` on ``env_id``: its summary and a batch from its replay shard.
-    On two learners, a replay process beside them; on one, the shard in its own process."""
-    overrides = [f"recipe={recipe}", f"env.id={env_id}", *SMALL, *extra, f"run_dir={tmp_path}"]
-    if learners == 1:
-        summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
-        assert summary["roles"] == {"0": "learner"}
-    else:
-        summary = read_summary(learners_run(learners, *overrides))
-        assert summary["roles"] == {"0": "learner", "1": "learner", "2": "replay"}
+def family_run(tmp_path: Path, recipe: str, env_id: str, *extra: str) -> tuple[dict, dict]:
+    result = learners_run(2, f"recipe={recipe}", f"env.id={env_id}", *SMALL, *extra, f"run_dir={tmp_path}")
+    summary = read_summary(result)
+    assert summary["roles"] == {"0": "learner", "1": "learner", "2": "replay"}
     assert summary["frames_collected"] == summary["replay_size"] == 384
     assert summary["updates"] > 0 and summary["eval_episodes"] == 2
     checksums = set(summary["learner_param_checksums"].values())

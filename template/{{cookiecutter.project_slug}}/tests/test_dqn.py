@@ -1,5 +1,5 @@
-"""The DQN recipe's wiring on a tiny batch, without any distribution; its run on Atari on
-two learners and a replay process (the pixels cross RPC), and on MinAtar in one process."""
+"""The DQN recipe's wiring on a tiny batch, without any distribution; its runs on Atari
+and MinAtar on two learners and a replay process."""
 
 from __future__ import annotations
 
@@ -80,10 +80,8 @@ def test_dqn_on_atari_on_two_learners_keeps_uint8_frame_stacks(tmp_path):
 
 
 @pytest.mark.slow
-def test_dqn_on_minatar_keeps_uint8_channels_first(tmp_path):
-    # One process: the observations' shape and dtype do not depend on the learners (the
-    # Atari run above takes frames through a replay process).
-    _, batch = family_run(tmp_path, "dqn", "MinAtar/Breakout-v1", learners=1)
+def test_dqn_on_minatar_on_two_learners_keeps_uint8_channels_first(tmp_path):
+    _, batch = family_run(tmp_path, "dqn", "MinAtar/Breakout-v1")
     assert batch["observation"].dtype == torch.uint8 and batch["observation"].shape == (4, 4, 10, 10)
     assert set(batch["observation"].unique().tolist()) <= {0, 1}
     assert OmegaConf.load(tmp_path / "config.yaml").algo.hidden_sizes == [128]  # the MinAtar network

@@ -1,4 +1,5 @@
-"""The SAC recipe's wiring on a tiny batch, without any distribution; its run on MuJoCo."""
+"""The SAC recipe's wiring on a tiny batch, without any distribution; its run on MuJoCo
+on two learners and a replay process."""
 
 from __future__ import annotations
 
@@ -61,9 +62,7 @@ def test_target_critics_follow_the_critics_by_polyak_averaging():
 
 
 @pytest.mark.slow
-def test_sac_on_mujoco_trains_on_float32(tmp_path):
-    # One process: test_train.py runs SAC on two learners; here the family's observations
-    # and settings, which do not depend on the learners.
-    summary, batch = family_run(tmp_path, "sac", "Hopper-v5", "algo.hidden_sizes=[32,32]", learners=1)
+def test_sac_on_mujoco_on_two_learners_trains_on_float32(tmp_path):
+    summary, batch = family_run(tmp_path, "sac", "Hopper-v5", "algo.hidden_sizes=[32,32]")
     assert batch["observation"].dtype == torch.float32 and batch["observation"].shape == (4, 11)
     assert OmegaConf.load(tmp_path / "config.yaml").algo.lr == 3e-4  # SAC's MuJoCo settings
