@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
             plan = topology.Topology.plan(learners, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
             if cfg.resume:
                 checkpoint.check_resume(cfg, *plan.layout(recipe.Agent.uses_replay))
-        checkpoint.check_run_dir(cfg)
+        if not FLAGS & set(argv):  # --help and --print-config run nothing
+            checkpoint.check_run_dir(cfg)
     except config.ConfigError as error:
         # Under `fabric run` every rank checks the same config and rank 0 says what is
         # wrong. The others wait a moment: the launcher stops all ranks as soon as one exits.

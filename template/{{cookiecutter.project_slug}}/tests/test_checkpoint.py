@@ -183,13 +183,14 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_one_error_line(tmp_path, caps
 @needs_replay
 def test_a_run_dir_holds_one_runs_checkpoints(tmp_path, capsys):
     """A fresh run into a run_dir with checkpoints, or a resume there from an older one, is
-    one error line: the checkpoints stay as they were. Going on from the newest runs, and
-    so does a resume from the older one into another run_dir."""
+    one error line before anything starts, and the checkpoints stay as they were. Going on
+    from the newest is accepted, and so is a resume from the older one into another run_dir;
+    --help and --print-config still answer."""
     run = OneLearner(tmp_path)
     run.save(1024)
     run.save(2048)
     older = checkpoint.training_dir(tmp_path, 1024)
-    overrides = [*tiny_overrides(REPLAY_RECIPE), f"run_dir={tmp_path}", "--print-config"]
+    overrides = [*tiny_overrides(REPLAY_RECIPE), f"run_dir={tmp_path}"]
     error = (
         f"error: run_dir {tmp_path} holds checkpoints up to frames-000000002048, which this run would not go "
         f"on from: resume={tmp_path} goes on from them; or choose another run_dir"
@@ -198,8 +199,10 @@ def test_a_run_dir_holds_one_runs_checkpoints(tmp_path, capsys):
         assert train.main([*overrides, *resume]) == 2
         assert capsys.readouterr().err.strip() == error
     for resume in ["auto", str(tmp_path), str(checkpoint.training_dir(tmp_path, 2048))]:
-        assert train.main([*overrides, f"resume={resume}"]) == 0
-    assert train.main([*overrides, f"resume={older}", f"run_dir={tmp_path / 'branch'}"]) == 0
+        checkpoint.check_run_dir(config.load([*overrides, f"resume={resume}"], train.DEFAULTS))
+    branch = [*overrides, f"resume={older}", f"run_dir={tmp_path / 'branch'}"]
+    checkpoint.check_run_dir(config.load(branch, train.DEFAULTS))
+    assert train.main([*overrides, "--print-config"]) == 0 and train.main([*overrides, "--help"]) == 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "frames-000000001024",
         "frames-000000002048",

@@ -212,7 +212,7 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
     learner.save_checkpoint(cfg, 1024, 10, agent, agent.make_optimizers(), client, plan, None, cpu)
 
     # Refused before: learners and replay shards now change freely; the recipe and env do not.
-    resume = [*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", "--print-config"]
+    resume = [*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", f"run_dir={tmp_path}", "--print-config"]
     assert train.main([*resume, "fabric.devices=3", "replay.ranks=2"]) == 0
     assert train.main([*resume, "env.id=Acrobot-v1"]) == 2
     assert "is a checkpoint of recipe" in capsys.readouterr().err
