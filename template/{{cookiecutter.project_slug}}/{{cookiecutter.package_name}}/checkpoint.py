@@ -65,7 +65,7 @@ def locate(path: str) -> Path:
     if (candidate / META).is_file():
         return candidate
     if candidate.is_dir():
-        if not (candidate / FINAL).is_file() and list((candidate / FINAL.parent).glob(f"{PREFIX}*/{META}")):
+        if not (candidate / FINAL).is_file() and complete(candidate):
             return latest(candidate)
         candidate = candidate / FINAL
     if not candidate.is_file():
@@ -126,16 +126,18 @@ def commit(partial: Path, final: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
+def complete(run_dir: str | Path) -> list[Path]:
+    """The run directory's complete training checkpoints (``meta.json`` is written last),
+    oldest first."""
+    return [meta.parent for meta in sorted((Path(run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}"))]
+
+
 def latest(path: str | Path) -> Path:
     """A training checkpoint folder, or the newest complete one in a run directory."""
     candidate = Path(path)
     if (candidate / META).is_file():
         return candidate
-    found = [
-        folder
-        for folder in sorted((candidate / FINAL.parent).glob(f"{PREFIX}*"))
-        if (folder / META).is_file()
-    ]
+    found = complete(candidate)
     if not found:
         raise ConfigError(f"resume: no checkpoint at {candidate} (checkpoint.every=N writes them)")
     return found[-1]
@@ -157,10 +159,10 @@ def check_run_dir(cfg: DictConfig) -> None:
     when this run goes on from the newest of them (``resume=auto`` always does). Otherwise
     two runs' checkpoints would mix, and a later ``resume=auto`` could go on from the other
     run's newest: a fresh start in a used run_dir, or a resume from an older checkpoint."""
-    found = sorted((Path(cfg.run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}"))
+    found = complete(cfg.run_dir)
     if not found or cfg.resume == AUTO:
         return
-    newest = found[-1].parent
+    newest = found[-1]
     if cfg.resume is None or latest(cfg.resume).resolve() != newest.resolve():
         raise ConfigError(
             f"run_dir {cfg.run_dir} holds checkpoints up to {newest.name}, which this run would not go "
@@ -177,7 +179,7 @@ def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> d
     when there is none yet, so a job requeued after a preemption runs the same command.
     """
     if cfg.resume == AUTO:
-        if not any((Path(cfg.run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}")):
+        if not complete(cfg.run_dir):
             return None
         folder = latest(cfg.run_dir)
     else:
