@@ -48,9 +48,11 @@ def test_sync_batches_are_time_last_and_chain_observations_across_episode_ends()
     follows = (batch["next", "observation"][:, :-1] == batch["observation"][:, 1:]).all(-1)
     assert follows[~done[:, :-1]].all()
     assert not follows[done[:, :-1]].any()
-    # episode_reward is the return so far: CartPole pays 1 per step.
+    # episode_reward is the return so far, carried from one batch to the next: CartPole
+    # pays 1 per step.
     steps_in_episode = batch["next", "episode_reward"].squeeze(-1)
     assert (steps_in_episode[:, 1:][done[:, :-1]] == 1).all()
+    assert (steps_in_episode.diff(dim=-1)[~done[:, :-1]] == 1).all()
 
 
 def test_a_collector_on_the_cpu_names_no_device():

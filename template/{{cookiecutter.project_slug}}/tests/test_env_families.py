@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.envs import life_loss_terminal, make_env
+from {{ cookiecutter.package_name }}.envs import TrainingBatches, make_env
 
 from .conftest import PROJECT, command_env
 
@@ -21,7 +21,7 @@ def test_atari_training_sees_clipped_rewards_and_life_losses_but_returns_are_gam
     settings = {"id": "ALE/SpaceInvaders-v5", "clip_rewards": True, "life_loss": True}
     env = make_env(settings, 2, seed=0)
     torch.manual_seed(0)
-    rollout = life_loss_terminal(env.rollout(600, break_when_any_done=False))
+    rollout = TrainingBatches(clip_rewards=True, life_loss=True)(env.rollout(600, break_when_any_done=False))
     env.close()
     reward, score = rollout["next", "reward"].squeeze(-1), rollout["next", "episode_reward"].squeeze(-1)
     done, terminated = rollout["next", "done"].squeeze(-1), rollout["next", "terminated"].squeeze(-1)

@@ -25,7 +25,7 @@ from torchrl.collectors import AsyncCollector, Collector
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from .config import ASYNC
-from .envs import life_loss_terminal, make_env
+from .envs import TrainingBatches, make_env
 from .watchdog import STOP_SIGNALS, RankFailure
 
 POLICY_VERSION = "policy_version"
@@ -61,7 +61,7 @@ def make_collector(
         "total_frames": total_frames,
         "storing_device": env_device,
         "env_device": env_device,
-        "postproc": life_loss_terminal if cfg.env.get("life_loss", False) else None,
+        "postproc": TrainingBatches(cfg.env.get("clip_rewards", False), cfg.env.get("life_loss", False)),
     }
     if cfg.collector.mode == ASYNC:
         # The child acts with a CPU copy of the policy in shared memory: it never touches the

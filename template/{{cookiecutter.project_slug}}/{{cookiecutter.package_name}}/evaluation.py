@@ -38,10 +38,11 @@ def evaluate(
     finally:
         eval_env.close()
     done = rollout["next", "done"].squeeze(-1)
-    returns = rollout["next", "episode_reward"].squeeze(-1)
+    reward = rollout["next", "reward"].squeeze(-1)
     # Each env's first episode ends at its first done (or is cut at max_steps).
     last = torch.where(done.any(-1), done.float().argmax(-1), done.shape[-1] - 1)
-    return returns.gather(-1, last.unsqueeze(-1)).squeeze(-1).tolist()
+    in_episode = torch.arange(done.shape[-1], device=done.device) <= last.unsqueeze(-1)
+    return reward.where(in_episode, 0.0).sum(-1).tolist()
 
 
 def record(
@@ -60,7 +61,7 @@ def record(
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
             for _ in range(episodes):
                 rollout = video_env.rollout(max_episode_steps(env["id"]), policy)
-                returns.append(float(rollout["next", "episode_reward"][-1]))
+                returns.append(float(rollout["next", "reward"].sum()))
     finally:
         video_env.close()
     return returns
