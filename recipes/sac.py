@@ -27,8 +27,8 @@ RUN_DEFAULTS = {
 # env.id is of that family (config.yaml and the command line still override them).
 FAMILY_DEFAULTS = {
     # CleanRL's sac_continuous_action.py on MuJoCo: 256x256 networks, batch 256, one update
-    # per step, learning from 5,000 steps, tau 0.005, 1M steps; lr 3e-4 (CleanRL's actor's,
-    # the SB3 zoo's for all three losses: one optimizer here).
+    # per step, learning from 5,000 steps, tau 0.005, 1M steps; Adam at 3e-4 for the actor
+    # and 1e-3 for the critics and the temperature.
     "mujoco": {
         "env": {"num_envs": 4},
         "collector": {"frames_per_batch": 64},
@@ -36,6 +36,7 @@ FAMILY_DEFAULTS = {
         "algo": {
             "hidden_sizes": [256, 256],
             "lr": 3e-4,
+            "q_lr": 1e-3,
             "batch_size": 256,
             "updates_per_batch": 64,
             "learning_starts": 5_000,
@@ -54,7 +55,9 @@ class Config:
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 128])
     """units of the hidden layers of the actor and of each critic"""
     lr: float = 1e-3
-    """Adam's learning rate, for the actor, the critics and the temperature"""
+    """Adam's learning rate for the actor"""
+    q_lr: float = 1e-3
+    """Adam's learning rate for the critics and the temperature"""
     gamma: float = 0.99
     """discount factor"""
     batch_size: int = 256
@@ -146,10 +149,9 @@ class Agent(nn.Module):
     def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss on a sampled batch. SACLoss writes ``td_error`` into ``batch`` in place.
 
-        One optimizer over the sum of the three losses is SAC's three Adam optimizers with
-        one learning rate: Adam scales each parameter's step by its own statistics, and
-        SACLoss detaches what each loss must not train (the critics in the actor's loss,
-        the log-probabilities in the temperature's).
+        One backward pass over the sum of the three losses gives each optimizer its own
+        loss's gradients: SACLoss detaches what each loss must not train (the critics in
+        the actor's loss, the log-probabilities in the temperature's).
         """
         losses = self.loss_module(batch)
         loss = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
@@ -157,10 +159,15 @@ class Agent(nn.Module):
         return loss, metrics
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"adam": torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)}
+        loss_module, cfg = self.loss_module, self.cfg
+        return {
+            "actor": torch.optim.Adam(loss_module.actor_network_params.parameters(), lr=cfg.lr),
+            "critics": torch.optim.Adam(loss_module.qvalue_network_params.parameters(), lr=cfg.q_lr),
+            "alpha": torch.optim.Adam([loss_module.log_alpha], lr=cfg.q_lr),
+        }
 
     def optimizers_to_step(self, update: int) -> list[str]:
-        return ["adam"]
+        return ["actor", "critics", "alpha"]
 
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Nothing to do: exploration is the actor's own noise."""

@@ -32,9 +32,13 @@ def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities()
     probe = frames[:4].select("observation")
     before_policy = agent.policy(probe.clone())["loc"].detach()
     before = {name: value.detach().clone() for name, value in parameters.items()}
-    (optimizer,) = agent.make_optimizers().values()
+    optimizers = agent.make_optimizers()
+    # CleanRL's rates: the actor's, and the critics' and the temperature's.
+    rates = {name: optimizer.param_groups[0]["lr"] for name, optimizer in optimizers.items()}
+    assert rates == {"actor": agent.cfg.lr, "critics": agent.cfg.q_lr, "alpha": agent.cfg.q_lr}
     loss.backward()
-    optimizer.step()
+    for name in agent.optimizers_to_step(1):
+        optimizers[name].step()
     changed = {name for name, value in parameters.items() if not torch.equal(value, before[name])}
     assert "loss_module.log_alpha" in changed
     assert any(name.startswith("actor.") for name in changed)
@@ -50,10 +54,10 @@ def test_target_critics_follow_the_critics_by_polyak_averaging():
     critics = agent.loss_module.qvalue_network_params
     targets = agent.loss_module.target_qvalue_network_params
     torch.testing.assert_close(targets.data, critics.data)  # they start equal
-    (optimizer,) = agent.make_optimizers().values()
+    critics_optimizer = agent.make_optimizers()["critics"]
     loss, _ = agent(batch)
     loss.backward()
-    optimizer.step()
+    critics_optimizer.step()
     old_targets = targets.data.clone()
     agent.after_update(1)
     tau = agent.cfg.tau
