@@ -2,12 +2,14 @@
 
     python benchmarks/learning.py                      # the default recipe, 2 learners, seeds 1 2 3
     python benchmarks/learning.py --recipe {{ cookiecutter.default_recipe }} --seeds 1 --frames 50000 algo.lr=1e-3
+    python benchmarks/learning.py --seeds 1 2 --main-port 29500 -- algo.lr=1e-3   # "--" ends --seeds
 
 Each seed is one `fabric run` on CPU with the recipe's defaults: its env and its frame
 budget (``RUN_DEFAULTS``) unless ``--env`` / ``--frames`` say otherwise. The run evaluates
 the greedy policy every ``--eval-every`` frames (default: 20 times per run); "reached" is
 the first evaluation at or above ``--target`` (default: the recipe's target below).
-Prints a table and, last, one JSON line with every figure.
+Prints a table and, last, one JSON line with every figure and each seed's evaluations.
+Two benchmarks at once on one machine need different ``--main-port`` values.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         "ddp",
         "--devices",
         str(args.devices),
+        "--main-port",
+        str(args.main_port),
         "train.py",
         f"recipe={args.recipe}",
         f"env.id={args.env}",
@@ -79,6 +83,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         "frames": summary["frames_collected"],
         "wall_s": round(summary["wall_s"], 1),
         "updates_per_s": round(summary["updates_per_s"], 1),
+        "curve": {row["frames"]: round(row["eval_return"], 1) for row in summary["eval_history"]},
         "command": " ".join(command[1:]),
     }
 
@@ -94,6 +99,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="learner ranks (replay processes come on top)")
     parser.add_argument("--eval-every", type=int)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument(
+        "--main-port", type=int, default=29400, help="fabric run's c10d port; RPC takes the next"
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
     defaults = recipes.load(args.recipe).RUN_DEFAULTS
