@@ -25,7 +25,7 @@ RUN_DEFAULTS = {
     "collector": {"frames_per_batch": 64},
     "total_frames": 30_000,
     # CleanRL's 25,000 random frames are for million-frame MuJoCo runs.
-    "algo": {"learning_starts": 1000},
+    "algo": {"learning_starts": 1000, "random_frames": 1000},
 }
 FAMILY_DEFAULTS = {
     # CleanRL's td3_continuous_action.py: 1M steps, 25,000 of them random before learning
@@ -35,7 +35,7 @@ FAMILY_DEFAULTS = {
         "env": {"num_envs": 4},
         "collector": {"frames_per_batch": 64},
         "total_frames": 1_000_000,
-        "algo": {"learning_starts": 25_000},
+        "algo": {"learning_starts": 25_000, "random_frames": 25_000},
     },
 }
 
@@ -58,6 +58,10 @@ class Config:
     """gradient updates per learner after each collector batch"""
     learning_starts: int = 25_000
     """frames (all learners) collected before the first update"""
+    # A deterministic actor with a little noise would fill replay with a narrow band of
+    # near-identical actions; CleanRL and the TD3 paper explore uniformly at first.
+    random_frames: int = 25_000
+    """frames (all learners) collected with uniformly random actions before the actor acts"""
     tau: float = 0.005
     """Polyak averaging rate of the target networks, per actor update"""
     policy_delay: int = 2

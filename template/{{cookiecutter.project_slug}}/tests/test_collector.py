@@ -55,6 +55,18 @@ def test_sync_batches_are_time_last_and_chain_observations_across_episode_ends()
     assert (steps_in_episode.diff(dim=-1)[~done[:, :-1]] == 1).all()
 
 
+def test_random_frames_act_at_random_then_the_policy_acts():
+    policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("sync"), policy, seed=7, total_frames=800, device=torch.device("cpu"), random_frames=300
+    )
+    actions = [batch["action"].argmax(-1) for batch in collector]
+    collector.shutdown()
+    # 300 random frames round up to two whole batches of 200; the policy always pushes left.
+    assert [(action == 1).float().mean().item() > 0.3 for action in actions] == [True, True, False, False]
+    assert (actions[2] == 0).all() and (actions[3] == 0).all()
+
+
 def test_a_collector_on_the_cpu_names_no_device():
     """A named device makes torchrl cast every step's tensordict (README, "The data path")."""
     policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,10 +39,13 @@ def make_collector(
     total_frames: int,
     device: torch.device,
     frames_per_batch: int | None = None,
+    random_frames: int = 0,
 ) -> Collector | CollectorProcess:
     """The collector of ``cfg.collector.mode`` for one learner: batches of
     ``frames_per_batch`` frames (by default ``collector.frames_per_batch``) shaped
-    ``[num_envs, steps]`` (time last), on the CPU; ``total_frames=-1``: endless.
+    ``[num_envs, steps]`` (time last), on the CPU; ``total_frames=-1``: endless. The first
+    ``random_frames`` (rounded up to whole batches) act uniformly at random instead of
+    with the policy.
 
     Settings measured for speed (benchmarks/collection.py, README "Benchmarks"): no
     trajectory ids (nothing reads them), no policy transforms registered behind the
@@ -56,9 +60,11 @@ def make_collector(
     on_cpu = cfg.collector.mode == ASYNC or device.type == "cpu"
     env_device = None if on_cpu else "cpu"
     make = functools.partial(make_env, OmegaConf.to_container(cfg.env), cfg.env.num_envs, seed, env_device)
+    frames_per_batch = frames_per_batch or cfg.collector.frames_per_batch
     settings = {
-        "frames_per_batch": frames_per_batch or cfg.collector.frames_per_batch,
+        "frames_per_batch": frames_per_batch,
         "total_frames": total_frames,
+        "init_random_frames": math.ceil(random_frames / frames_per_batch) * frames_per_batch,
         "storing_device": env_device,
         "env_device": env_device,
         "postproc": TrainingBatches(cfg.env.get("clip_rewards", False), cfg.env.get("life_loss", False)),

@@ -188,11 +188,15 @@ class Learner:
         # This learner's share of the frames still to collect.
         frames = (planned - self.frames) // run.learners
         seed = self.env_seed()
+        # The recipe's random_frames (all learners) that are still to come, this learner's share.
+        random_frames = math.ceil(max(0, getattr(self.algo, "random_frames", 0) - self.frames) / run.learners)
         cuts = self.preemption
         # Starting an async collector's process imports torch anew: allow it more time.
         with self.collector_deadline(startup=True):
             if cuts is None:
-                self.collector = make_collector(cfg, self.agent.policy, seed, frames, run.device)
+                self.collector = make_collector(
+                    cfg, self.agent.policy, seed, frames, run.device, random_frames=random_frames
+                )
             else:  # rollouts of any length: the loop below counts the frames
                 chunk = cuts.chunk_steps * cfg.env.num_envs
                 self.collector = make_collector(cfg, self.agent.policy, seed, -1, run.device, chunk)
