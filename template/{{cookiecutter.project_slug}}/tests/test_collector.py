@@ -57,9 +57,8 @@ def test_sync_batches_are_time_last_and_chain_observations_across_episode_ends()
 
 def test_random_frames_act_at_random_then_the_policy_acts():
     policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
-    collector = make_collector(
-        collector_config("sync"), policy, seed=7, total_frames=800, device=torch.device("cpu"), random_frames=300
-    )
+    config, cpu = collector_config("sync"), torch.device("cpu")
+    collector = make_collector(config, policy, seed=7, total_frames=800, device=cpu, random_frames=300)
     actions = [batch["action"].argmax(-1) for batch in collector]
     collector.shutdown()
     # 300 random frames round up to two whole batches of 200; the policy always pushes left.
