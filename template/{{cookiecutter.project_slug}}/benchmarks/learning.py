@@ -7,7 +7,8 @@
 Each seed is one `fabric run` on CPU with the recipe's defaults: its env and its frame
 budget (``RUN_DEFAULTS``) unless ``--env`` / ``--frames`` say otherwise. The run evaluates
 the greedy policy every ``--eval-every`` frames (default: 20 times per run); "reached" is
-the first evaluation at or above ``--target`` (default: the recipe's target below).
+the first evaluation at or above ``--target`` (default: the recipe's target below, which
+is for its default env: another ``--env`` needs its own ``--target``).
 Prints a table and, last, one JSON line with every figure and each seed's evaluations.
 Two benchmarks at once on one machine need different ``--main-port`` values.
 """
@@ -105,12 +106,15 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
     defaults = recipes.load(args.recipe).RUN_DEFAULTS
-    args.env = args.env or defaults["env"]["id"]
+    default_env = defaults["env"]["id"]
+    args.env = args.env or default_env
     args.frames = args.frames or defaults["total_frames"]
     args.eval_every = args.eval_every or args.frames // 20
     if args.target is None:
         if args.recipe not in TARGETS:
             parser.error(f"no target return for recipe {args.recipe!r}: pass --target")
+        if args.env != default_env:
+            parser.error(f"{args.recipe}'s target return is for {default_env}: pass --target for {args.env}")
         args.target = TARGETS[args.recipe]
 
     rows = []

@@ -24,6 +24,15 @@ def test_collection_benchmark_prints_a_table_and_a_json_line():
     assert "project collector" in result.stdout
 
 
+def test_learning_benchmark_wants_a_target_for_another_env():
+    recipe = RECIPES[0]
+    env = "Acrobot-v1" if recipes.load(recipe).RUN_DEFAULTS["env"]["id"] != "Acrobot-v1" else "CartPole-v1"
+    result = run_command([sys.executable, "benchmarks/learning.py", "--recipe", recipe, "--env", env])
+    assert result.returncode == 2
+    assert "target return is for" in result.stderr and f"pass --target for {env}" in result.stderr
+    assert result.stdout == ""
+
+
 @pytest.mark.slow
 def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
     recipe, *overrides = (item for item in tiny if not item.startswith("total_frames="))
