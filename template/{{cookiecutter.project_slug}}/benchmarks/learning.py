@@ -47,7 +47,7 @@ TARGETS = {
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict:
-    run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{args.env}-seed{seed}"
+    run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{args.env.replace('/', '-')}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [

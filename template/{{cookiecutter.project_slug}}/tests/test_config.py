@@ -23,6 +23,12 @@ def test_overrides_reach_nested_and_recipe_keys():
     assert cfg.run_dir == f"runs/{cfg.recipe}-{cfg.env.id}-seed3"
 
 
+def test_an_env_id_with_a_slash_names_one_run_folder():
+    pytest.importorskip("minatar", reason="needs the [minatar] extra")
+    cfg = config.load(["env.id=MinAtar/Breakout-v1", "seed=2"], train.DEFAULTS)
+    assert cfg.run_dir == f"runs/{cfg.recipe}-MinAtar-Breakout-v1-seed2"
+
+
 @pytest.mark.parametrize("recipe", recipes.available())
 def test_each_recipe_brings_its_run_defaults_and_the_command_line_wins(recipe):
     defaults = recipes.load(recipe).RUN_DEFAULTS

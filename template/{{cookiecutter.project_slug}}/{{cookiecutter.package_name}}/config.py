@@ -26,6 +26,10 @@ LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 SYNC, ASYNC = "sync", "async"  # collector.mode
 REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 
+# ``${one_folder:${env.id}}`` in config.yaml: an id such as ALE/Pong-v5 names one folder of
+# the default run_dir (runs/dqn-ALE-Pong-v5-seed1), not a folder ALE/ in runs/.
+OmegaConf.register_new_resolver("one_folder", lambda text: str(text).replace("/", "-"), replace=True)
+
 
 class ConfigError(ValueError):
     """A problem with the user's configuration, reported as one line."""
