@@ -43,6 +43,14 @@ def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
     assert not torch.allclose(before, after), "the collector's policy must share the trained weights"
 
 
+def test_minatar_replays_uniformly_as_the_paper_and_the_command_line_wins():
+    pytest.importorskip("minatar", reason="needs the [minatar] extra")
+    assert config.load(["recipe=dqn"], train.DEFAULTS).replay.alpha == 0.6
+    minatar = ["recipe=dqn", "env.id=MinAtar/Freeway-v0"]
+    assert config.load(minatar, train.DEFAULTS).replay.alpha == 0.0
+    assert config.load([*minatar, "replay.alpha=0.5"], train.DEFAULTS).replay.alpha == 0.5
+
+
 def test_epsilon_anneals_by_frames():
     env = make_env("CartPole-v1", num_envs=2, seed=0)
     agent = dqn.Agent(dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=100), env)

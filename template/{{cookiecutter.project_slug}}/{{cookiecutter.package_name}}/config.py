@@ -60,7 +60,8 @@ class CollectorConfig:
 class ReplayConfig:
     ranks: int = MISSING
     capacity: int = MISSING
-    alpha: float = MISSING
+    # Prioritized unless the recipe's defaults for the env's family (or the user) say otherwise.
+    alpha: float = 0.6
     beta: float = MISSING
     batches_per_request: int = MISSING
     storage: str = MISSING
