@@ -27,7 +27,7 @@ SYNC, ASYNC = "sync", "async"  # collector.mode
 REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 
 # ``${one_folder:${env.id}}`` in config.yaml: an id such as ALE/Pong-v5 names one folder of
-# the default run_dir (runs/dqn-ALE-Pong-v5-seed1), not a folder ALE/ in runs/.
+# the default run_dir (runs/<recipe>-ALE-Pong-v5-seed1), not a folder ALE/ in runs/.
 OmegaConf.register_new_resolver("one_folder", lambda text: str(text).replace("/", "-"), replace=True)
 
 
