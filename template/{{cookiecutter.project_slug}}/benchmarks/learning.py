@@ -26,7 +26,7 @@ from pathlib import Path
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from {{ cookiecutter.package_name }} import recipes  # noqa: E402
+from {{ cookiecutter.package_name }} import config, recipes  # noqa: E402
 
 # Greedy evaluation return each recipe should reach on its default env within its frame budget.
 {%- set recipes = cookiecutter.recipes.split(",") | map("trim") | list %}
@@ -47,7 +47,7 @@ TARGETS = {
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict:
-    run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{args.env.replace('/', '-')}-seed{seed}"
+    run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{config.one_folder(args.env)}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [

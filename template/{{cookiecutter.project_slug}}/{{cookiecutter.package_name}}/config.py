@@ -26,9 +26,14 @@ LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 SYNC, ASYNC = "sync", "async"  # collector.mode
 REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 
-# ``${one_folder:${env.id}}`` in config.yaml: an id such as ALE/Pong-v5 names one folder of
-# the default run_dir (runs/<recipe>-ALE-Pong-v5-seed1), not a folder ALE/ in runs/.
-OmegaConf.register_new_resolver("one_folder", lambda text: str(text).replace("/", "-"), replace=True)
+
+def one_folder(env_id: str) -> str:
+    """An env id as one folder name: ALE/Pong-v5 -> ALE-Pong-v5 (not a folder ALE/)."""
+    return str(env_id).replace("/", "-")
+
+
+# ``${one_folder:${env.id}}`` in config.yaml: the default run_dir is runs/<recipe>-ALE-Pong-v5-seed1.
+OmegaConf.register_new_resolver("one_folder", one_folder, replace=True)
 
 
 class ConfigError(ValueError):
