@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tensordict import TensorDict
 from torchrl.collectors import Collector
-from torchrl.envs import GymWrapper
 
 from {{ cookiecutter.package_name }} import topology
+from {{ cookiecutter.package_name }}.envs import EnvUnavailable, make_env
 from {{ cookiecutter.package_name }}.replay import NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
 
 CAPACITY = 1_000_000
@@ -56,14 +56,11 @@ def transitions(count: int) -> TensorDict:
 
 def pong_batches(count: int, seed: int) -> list[TensorDict]:
     """``count`` collector batches ``[env copies, steps]`` of Pong with a random policy,
-    preprocessed by ale-py's vector env (84x84 grey, 4-frame stack)."""
+    from the env training steps (ale-py's preprocessing: 84x84 grey, 4-frame stack)."""
     try:
-        import ale_py
-    except ImportError:
-        sys.exit("error: --atari needs ale-py: pip install -e '.[atari]'")
-    vector_env = ale_py.vector_env.AtariVectorEnv(game="pong", num_envs=ATARI_ENVS, autoreset_mode="SameStep")
-    env = GymWrapper(vector_env)
-    env.set_seed(seed)
+        env = make_env("ALE/Pong-v5", ATARI_ENVS, seed)
+    except EnvUnavailable as error:
+        sys.exit(f"error: {error}")
     frames = ATARI_ENVS * ATARI_STEPS
     collector = Collector(
         env, None, frames_per_batch=frames, total_frames=frames * count, track_traj_ids=False,

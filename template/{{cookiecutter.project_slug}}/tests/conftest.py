@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from tensordict import TensorDict
 from torchrl.collectors import Collector
 
 from {{ cookiecutter.package_name }} import recipes
 from {{ cookiecutter.package_name }}.envs import make_env
-from {{ cookiecutter.package_name }}.replay import ReplayShard
+from {{ cookiecutter.package_name }}.replay import NEXT_OBSERVATION, OBSERVATION, ReplayShard
 
 PROJECT = Path(__file__).resolve().parents[1]
 # Two test modules run at a time, each with runs of their own: a process that spreads its
@@ -273,6 +274,23 @@ def collect_one_batch(env, policy, frames: int):
     batch = next(iter(collector))
     collector.shutdown()
     return batch
+
+
+STEP_ID = "step_id"  # numbers the transitions a replay test collected
+
+
+def pong_batches(envs: int = 2, steps: int = 20, batches: int = 4) -> list[TensorDict]:
+    """Collector batches ``[env copies, steps]`` of Pong from the env training steps
+    (ale-py's preprocessing: 84x84 grey, 4-frame stack), episodes of about 25 steps,
+    each transition numbered by ``STEP_ID``."""
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    env = make_env({"id": "ALE/Pong-v5", "kwargs": {"max_num_frames_per_episode": 100}}, envs, seed=0)
+    batch = collect_one_batch(env, None, envs * steps * batches)  # time runs along dim 1
+    env.close()
+    keys = [("next", "reward"), ("next", "done"), ("next", "terminated")]
+    batch = batch.select(OBSERVATION, "action", NEXT_OBSERVATION, *keys)
+    batch[STEP_ID] = torch.arange(batch.numel()).view(batch.shape)
+    return list(batch.split(steps, dim=1))
 
 
 @pytest.fixture

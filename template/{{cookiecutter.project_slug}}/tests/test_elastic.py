@@ -12,7 +12,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
-from torchrl.envs import GymWrapper
 
 from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, topology
 from {{ cookiecutter.package_name }}.envs import make_env
@@ -29,16 +28,17 @@ from .conftest import (
     RECIPES,
     REPLAY_RECIPE,
     SMALL,
+    STEP_ID,
     collect_one_batch,
     learners_run,
     load_script,
     needs_replay,
+    pong_batches,
     read_summary,
     tiny_overrides,
 )
 
 train = load_script("train")
-STEP_ID = "step_id"
 ALPHA, BETA = 0.6, 0.4
 
 
@@ -130,22 +130,6 @@ def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_
     # The weights of a batch across the new shards are those of one buffer with everything.
     batch, _, _ = again[0].sample(16)
     assert torch.isfinite(batch["priority_weight"]).all()
-
-
-def pong_batches(envs: int = 2, steps: int = 20, batches: int = 4) -> list[TensorDict]:
-    """Collector batches ``[env copies, steps]`` of Pong with ale-py's own preprocessing,
-    episodes of 25 steps, each transition numbered by ``STEP_ID``."""
-    ale_py = pytest.importorskip("ale_py", reason="needs the [atari] extra")
-    vector_env = ale_py.vector_env.AtariVectorEnv(
-        game="pong", num_envs=envs, autoreset_mode="SameStep", max_num_frames_per_episode=100
-    )
-    env = GymWrapper(vector_env)
-    env.set_seed(0)
-    batch = collect_one_batch(env, None, envs * steps * batches)
-    env.close()
-    batch = batch.select(OBSERVATION, "action", NEXT_OBSERVATION, ("next", "reward"), ("next", "done"))
-    batch[STEP_ID] = torch.arange(batch.numel()).view(batch.shape)
-    return list(batch.split(steps, dim=1))
 
 
 def stacks(shard: ReplayShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

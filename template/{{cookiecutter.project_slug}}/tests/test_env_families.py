@@ -34,6 +34,27 @@ def test_atari_training_sees_clipped_rewards_and_life_losses_but_returns_are_gam
     assert (following >= score[:, :-1][life_lost[:, :-1]]).all() and (following > 0).any()
 
 
+def test_atari_games_wait_for_torchrl_to_reset_them():
+    """Training steps ale-py's vector env through ``MaskedResets``. Were a game reset by
+    torchrl reset again at its next step (ale-py's own autoreset), that step's stack would
+    not go on from the one before."""
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    settings = {"id": "ALE/Pong-v5", "kwargs": {"max_num_frames_per_episode": 100}}
+    env = make_env(settings, 2, seed=0)
+    rollout = env.rollout(120, break_when_any_done=False)  # about 25 steps per episode
+    env.close()
+    observation, following = rollout["observation"], rollout["next", "observation"]
+    done = rollout["next", "done"].squeeze(-1)
+    assert done.sum(-1).min() >= 3
+    # Every step, the first after a reset too, shifts the stack by one new frame.
+    assert torch.equal(following[:, :, :-1], observation[:, :, 1:])
+    # After an end the next step starts from ale-py's reset stack (no frames before the
+    # first): a new episode, not the old one going on.
+    started = observation[:, 1:][done[:, :-1]]
+    assert (started[:, :-1] == 0).all() and (started[:, -1] != 0).any(dim=(-1, -2)).all()
+    assert torch.equal(observation[:, 1:][~done[:, :-1]], following[:, :-1][~done[:, :-1]])
+
+
 # Run at start-up by the subprocess (Python imports the first sitecustomize on its path):
 # the import system no longer finds the package, as on a machine without it.
 HIDE_PACKAGE = """

@@ -9,48 +9,30 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from tensordict import TensorDict
-from torchrl.envs import GymWrapper
 
 from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, topology
 from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.replay import FRAMES, NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
 
-from .conftest import REPLAY_RECIPE, collect_one_batch, free_port, load_script, needs_replay, tiny_overrides
+from .conftest import (
+    REPLAY_RECIPE,
+    STEP_ID,
+    free_port,
+    load_script,
+    needs_replay,
+    pong_batches,
+    tiny_overrides,
+)
 
-ale_py = pytest.importorskip("ale_py", reason="needs the [atari] extra")
+pytest.importorskip("ale_py", reason="needs the [atari] extra")
 
+# pong_batches' defaults: every env copy ends several episodes, some across batches.
 ENVS, STEPS, BATCHES = 2, 20, 4
-# 25 agent steps per episode: every env copy ends several episodes, some across batches.
-EPISODE_FRAMES = 100
-STEP_ID = "step_id"
 
 
 @pytest.fixture(scope="module")
 def batches() -> list[TensorDict]:
     return pong_batches()
-
-
-def pong_batches() -> list[TensorDict]:
-    """Collector batches ``[env copies, steps]`` of Pong with ale-py's own preprocessing
-    (84x84 grey, 4-frame stack), each transition numbered by ``STEP_ID``."""
-    vector_env = ale_py.vector_env.AtariVectorEnv(
-        game="pong", num_envs=ENVS, autoreset_mode="SameStep", max_num_frames_per_episode=EPISODE_FRAMES
-    )
-    env = GymWrapper(vector_env)
-    env.set_seed(0)
-    batch = collect_one_batch(env, None, ENVS * STEPS * BATCHES)  # time runs along dim 1
-    env.close()
-    keys = [
-        OBSERVATION,
-        "action",
-        NEXT_OBSERVATION,
-        ("next", "reward"),
-        ("next", "done"),
-        ("next", "terminated"),
-    ]
-    batch = batch.select(*keys)
-    batch[STEP_ID] = torch.arange(batch.numel()).view(batch.shape)
-    return list(batch.split(STEPS, dim=1))
 
 
 def filled(

@@ -49,7 +49,8 @@ def make_collector(
 
     Settings measured for speed (benchmarks/collection.py, README "Benchmarks"): no
     trajectory ids (nothing reads them), no policy transforms registered behind the
-    recipe's back, and, with the policy on the CPU, no device anywhere: the env's outputs
+    recipe's back, each batch stacked once (no buffers copied into it), and, with the
+    policy on the CPU, no device anywhere: the env's outputs
     and the batches stay device-less CPU tensors. Naming a device makes torchrl cast every
     step's tensordict to it (``GymWrapper`` at each step and reset, the collector between
     env, policy and storage), and each such cast also asks whether CUDA is available,
@@ -83,12 +84,17 @@ def make_collector(
                 track_policy_version=True,
                 **settings,
             )
+    # Each batch is stacked into new tensors (no buffers reused), so it is handed out as it
+    # is: with its buffers torchrl copies them into a new batch, a second copy of every
+    # frame (on Pong a tenth of the collector's time: README, "The data path").
     return Collector(
         make(),
         policy,
         policy_device=None if on_cpu else device,
         track_traj_ids=False,
         auto_register_policy_transforms=False,
+        use_buffers=False,
+        return_same_td=True,
         **settings,
     )
 

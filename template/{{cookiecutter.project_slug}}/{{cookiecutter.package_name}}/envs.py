@@ -153,19 +153,20 @@ def make_env(
     family = family_of(env_id)
     backend = vectorization_of(env.get("vectorization", AUTO), env_id)
     kwargs = dict(env.get("kwargs") or {})
-    # ale-py's vector env has no disabled mode. Elsewhere autoreset is left to torchrl
-    # (gymnasium's DISABLED mode): it resets finished copies through a mask, where same-step
-    # autoreset costs a Python loop over the copies at every step.
-    same_step = backend == ALE or not training
-    autoreset = gym.vector.AutoresetMode.SAME_STEP if same_step else gym.vector.AutoresetMode.DISABLED
+    # Training leaves autoreset to torchrl (gymnasium's DISABLED mode): it resets finished
+    # copies through a mask, where same-step autoreset costs a Python loop over the copies
+    # at every step.
+    autoreset = gym.vector.AutoresetMode.DISABLED if training else gym.vector.AutoresetMode.SAME_STEP
     if backend == ALE:
         vector_env = gym.make_vec(
             env_id,
             num_envs=num_envs,
             vectorization_mode="vector_entry_point",
-            autoreset_mode=autoreset,
+            autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP if training else autoreset,
             **atari_vector_settings(kwargs),
         )
+        if training:
+            vector_env = MaskedResets(vector_env)
     else:
         vector_env = gym.make_vec(
             env_id,
@@ -177,6 +178,28 @@ def make_env(
         )
     life_loss = training and env.get("life_loss", False)
     return as_torchrl(vector_env, seed, device, family, read_lives=life_loss)
+
+
+class MaskedResets(gym.vector.VectorWrapper):
+    """ale-py's vector env in gymnasium's DISABLED autoreset mode: a finished game waits
+    for torchrl to reset it through ``reset(options={"reset_mask": ...})``.
+
+    ale-py's core has no DISABLED mode, only NEXT_STEP and SAME_STEP. Its NEXT_STEP mode
+    with masked resets is DISABLED's contract: a game reset through the mask is not reset
+    again at the next step (tests/test_env_families.py holds ale-py to it), and torchrl
+    resets every finished copy before it steps again. In SAME_STEP mode torchrl instead
+    reads each step's final observations from ``info``: a zeroed frame stack and a loop
+    over the copies at every step, a sixth of the collector's time on Pong (README, "The
+    data path").
+    """
+
+    autoreset_mode = gym.vector.AutoresetMode.DISABLED
+
+    def __init__(self, env: gym.vector.VectorEnv) -> None:
+        if env.metadata.get("autoreset_mode") != gym.vector.AutoresetMode.NEXT_STEP:
+            raise ValueError(f"MaskedResets wraps a vector env in NEXT_STEP autoreset mode, not {env}")
+        super().__init__(env)
+        self.metadata = {**env.metadata, "autoreset_mode": self.autoreset_mode}
 
 
 def atari_vector_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -220,9 +243,8 @@ def as_torchrl(
     """A gymnasium env as a seeded torchrl env. ``read_lives``: steps also carry the Atari
     game's ``lives`` (for ``TrainingBatches``' life-loss terminals)."""
     env = GymWrapper(gym_env, device=device)
-    if read_lives and LIVES not in env.observation_spec.keys():
-        # torchrl reads every info key of a same-step autoreset env (ale-py's) by itself;
-        # gymnasium's vector envs in DISABLED mode need a reader for ``lives``.
+    if read_lives:
+        # In DISABLED autoreset mode (training's) torchrl reads no info key by itself.
         spec = Unbounded(shape=env.batch_size, dtype=torch.int64)
         env.set_info_dict_reader(default_info_dict_reader([LIVES], spec={LIVES: spec}))
     # A wrapped vector env may already be a TransformedEnv and appends in place; any other
