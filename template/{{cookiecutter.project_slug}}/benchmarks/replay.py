@@ -4,7 +4,8 @@
     python benchmarks/replay.py --learners 1 8 --shards 2 --batches-per-request 1
     python benchmarks/replay.py --atari --learners 1 2   # Pong frames, batch 32 (needs [atari])
 
-Uses the project's ReplayShard and ReplayClient, with the project's defaults. Each learner
+Uses the project's ReplayShard and ReplayClient, with the project's defaults (with
+``--atari``, DQN's on Atari: 8 batches of 32 per request). Each learner
 first extends for ``--seconds`` (256 CartPole-sized transitions per call; with ``--atari``,
 collector batches of real Pong frames, 4 env copies x 32 steps, stored frame by frame),
 then samples and sends priorities back for ``--seconds`` (prefetching, as the learner loop
@@ -191,7 +192,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--learners", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--shards", type=int, default=1, help="replay processes in the RPC runs")
-    parser.add_argument("--batches-per-request", type=int, default=4)
+    parser.add_argument(
+        "--batches-per-request", type=int, help="batches per request (default 4; --atari 8, DQN's on Atari)"
+    )
     parser.add_argument("--requests-ahead", type=int, default=1, help="sample requests kept in flight")
     parser.add_argument("--atari", action="store_true", help="Pong frames instead of CartPole transitions")
     parser.add_argument(
@@ -199,6 +202,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     args.batch_size = args.batch_size or (32 if args.atari else 256)
+    args.batches_per_request = args.batches_per_request or (8 if args.atari else 4)
     topology.bind_to_loopback_unless_named("127.0.0.1")
 
     torch.set_num_threads(1)

@@ -51,6 +51,16 @@ def test_minatar_replays_uniformly_as_the_paper_and_the_command_line_wins():
     assert config.load([*minatar, "replay.alpha=0.5"], train.DEFAULTS).replay.alpha == 0.5
 
 
+def test_atari_fetches_a_collector_steps_batches_in_one_request_and_the_command_line_wins():
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    assert config.load(["recipe=dqn"], train.DEFAULTS).replay.batches_per_request == 4
+    atari = ["recipe=dqn", "env.id=ALE/Pong-v5"]
+    cfg = config.load(atari, train.DEFAULTS)
+    assert cfg.replay.batches_per_request == cfg.algo.updates_per_batch == 8
+    overridden = config.load([*atari, "replay.batches_per_request=2"], train.DEFAULTS)
+    assert overridden.replay.batches_per_request == 2
+
+
 def test_epsilon_anneals_by_frames():
     env = make_env("CartPole-v1", num_envs=2, seed=0)
     agent = dqn.Agent(dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=100), env)

@@ -65,10 +65,10 @@ class CollectorConfig:
 class ReplayConfig:
     ranks: int = MISSING
     capacity: int = MISSING
-    # Prioritized unless the recipe's defaults for the env's family (or the user) say otherwise.
+    # These two unless the recipe's defaults for the env's family (or the user) say otherwise.
     alpha: float = 0.6
     beta: float = MISSING
-    batches_per_request: int = MISSING
+    batches_per_request: int = 4
     storage: str = MISSING
     directory: str = MISSING
 

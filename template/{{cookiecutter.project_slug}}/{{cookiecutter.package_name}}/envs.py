@@ -158,6 +158,7 @@ def make_env(
     # at every step.
     autoreset = gym.vector.AutoresetMode.DISABLED if training else gym.vector.AutoresetMode.SAME_STEP
     if backend == ALE:
+        # ale-py's vector env has no DISABLED mode: MaskedResets makes one of its NEXT_STEP mode.
         vector_env = gym.make_vec(
             env_id,
             num_envs=num_envs,
