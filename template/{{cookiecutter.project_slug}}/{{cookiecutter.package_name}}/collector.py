@@ -50,11 +50,11 @@ def make_collector(
     Settings measured for speed (benchmarks/collection.py, README "Benchmarks"): no
     trajectory ids (nothing reads them), no policy transforms registered behind the
     recipe's back, each batch stacked once (no buffers copied into it), and, with the
-    policy on the CPU, no device anywhere: the env's outputs
-    and the batches stay device-less CPU tensors. Naming a device makes torchrl cast every
-    step's tensordict to it (``GymWrapper`` at each step and reset, the collector between
-    env, policy and storage), and each such cast also asks whether CUDA is available,
-    which Lightning's ``PYTORCH_NVML_BASED_CUDA_CHECK`` turns into a library load per call.
+    policy on the CPU, no device anywhere: the env's outputs and the batches stay
+    device-less CPU tensors. Naming a device makes torchrl cast every step's tensordict to
+    it (``GymWrapper`` at each step and reset, the collector between env, policy and
+    storage), and each such cast also asks whether CUDA is available, which Lightning's
+    ``PYTORCH_NVML_BASED_CUDA_CHECK`` turns into a library load per call.
     """
     # An async collector's process acts with a CPU copy of the policy. A policy on a GPU
     # takes the env's CPU tensors to its device, and the batches come back to the CPU.

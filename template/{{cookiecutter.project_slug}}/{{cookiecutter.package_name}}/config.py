@@ -65,7 +65,8 @@ class CollectorConfig:
 class ReplayConfig:
     ranks: int = MISSING
     capacity: int = MISSING
-    # These two unless the recipe's defaults for the env's family (or the user) say otherwise.
+    # alpha and batches_per_request: these unless the recipe's defaults for the env's family
+    # (or the user) say otherwise.
     alpha: float = 0.6
     beta: float = MISSING
     batches_per_request: int = 4
