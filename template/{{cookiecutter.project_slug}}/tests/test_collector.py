@@ -99,8 +99,14 @@ def test_async_collector_acts_with_the_weights_pushed_to_it():
             batch = next(batches)
         assert (batch[POLICY_VERSION] == 0).all() and (batch["action"].argmax(-1) == 0).all()
         collector.update_policy_weights_(policy)
-        # The batch in flight may straddle the push; the one after it follows it throughout.
+        # The batch in flight may straddle the push. The push returns once the child has
+        # the weights, and the child starts the next batch only when this one is taken,
+        # so every step of that batch acts with them. A frame's version is the one in
+        # force when its observation arrived: that batch's first observation may have
+        # arrived before the push, at the end of the batch in flight.
         next(batches)
+        batch = next(batches)
+        assert (batch["action"].argmax(-1) == 1).all() and (batch[POLICY_VERSION][:, 1:] == 1).all()
         batch = next(batches)
         assert (batch[POLICY_VERSION] == 1).all() and (batch["action"].argmax(-1) == 1).all()
     finally:
