@@ -19,7 +19,7 @@ This is the benchmark's business, not the product's: importing this module regis
 ``StragglerCartPole-v1``, CartPole with a wrapper that sleeps ``SIMULATOR_STEP_S`` per step,
 or ``STRAGGLER_STEP_S`` in the process whose ``RANK`` is ``STRAGGLER_RANK``; train.py
 reaches it through gymnasium's ``module:EnvId`` form of ``env.id``.
-Prints a table and, last, a JSON line.
+Prints a table and, last, a JSON line. Beside another benchmark, give it another ``--main-port``.
 """
 
 from __future__ import annotations
@@ -89,6 +89,8 @@ def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], 
         "ddp",
         "--devices",
         "3",
+        "--main-port",
+        str(args.main_port),
         "train.py",
         f"recipe={args.recipe}",
         f"env.id={ENV_ID}",
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--learning-frames", type=int, default=200_000)
     parser.add_argument("--learning-step-ms", type=float, default=0.5, help="--step-ms of the learning runs")
     parser.add_argument("--target", type=float, default=TARGET)
+    parser.add_argument(
+        "--main-port", type=int, default=29400, help="fabric run's c10d port; RPC takes the next"
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
 

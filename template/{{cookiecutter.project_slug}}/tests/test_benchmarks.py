@@ -89,7 +89,8 @@ def test_stragglers_benchmark_compares_lockstep_with_the_threshold():
     if not on_policy:
         pytest.skip("this project has no on-policy recipe")
     overrides = [item for item in tiny_overrides(on_policy[0]) if item.split("=")[0] not in IGNORED]
-    command = [sys.executable, "benchmarks/stragglers.py", "--frames", "1536", "--step-ms", "1", *overrides]
+    command = [sys.executable, "benchmarks/stragglers.py", "--frames", "1536", "--step-ms", "1"]
+    command += ["--main-port", str(free_port()), *overrides]
     result = run_command(command)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
