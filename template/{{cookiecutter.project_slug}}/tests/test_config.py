@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from {{ cookiecutter.package_name }} import config, recipes
 from {{ cookiecutter.package_name }}.topology import Topology, cpus_per_rank
 
-from .conftest import REPLAY_RECIPE, load_script, needs_replay
+from .conftest import PROJECT, REPLAY_RECIPE, load_script, needs_replay
 
 train = load_script("train")
 
@@ -37,6 +37,25 @@ def test_each_recipe_brings_its_run_defaults_and_the_command_line_wins(recipe):
     assert cfg.collector.frames_per_batch == defaults["collector"]["frames_per_batch"]
     cfg = config.load([f"recipe={recipe}", "env.id=Acrobot-v1", "total_frames=77"], train.DEFAULTS)
     assert (cfg.env.id, cfg.total_frames) == ("Acrobot-v1", 77)
+
+
+@pytest.mark.parametrize("recipe", recipes.available())
+def test_a_recipe_sets_only_what_config_yaml_leaves_to_it(recipe):
+    """config.yaml sits over a recipe's run and family defaults: a value it sets hides theirs."""
+    file = OmegaConf.load(PROJECT / "config.yaml")
+    module = recipes.load(recipe)
+    for defaults in [module.RUN_DEFAULTS, *getattr(module, "FAMILY_DEFAULTS", {}).values()]:
+        for key in leaf_keys(OmegaConf.create(defaults)):
+            parent, _, leaf = key.rpartition(".")
+            section = OmegaConf.select(file, parent) if parent else file
+            assert section is None or leaf not in section or OmegaConf.is_missing(section, leaf), key
+
+
+def leaf_keys(node, prefix: str = "") -> list[str]:
+    if not OmegaConf.is_dict(node):
+        return [prefix.removesuffix(".")]
+    items = node.items_ex(resolve=False)
+    return [leaf for key, value in items for leaf in leaf_keys(value, f"{prefix}{key}.")]
 
 
 def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
