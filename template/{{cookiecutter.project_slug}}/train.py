@@ -184,6 +184,7 @@ def play_role(
             cfg.replay.beta,
             cfg.replay.batches_per_request,
             first_shard=plan.learner_index,
+            share_frames=plan.world_size > 1,  # the shards are in replay processes
         )
         stats = learner.off_policy(run, replay)
     else:

@@ -10,8 +10,10 @@ first extends for ``--seconds`` (256 CartPole-sized transitions per call; with `
 collector batches of real Pong frames, 4 env copies x 32 steps, stored frame by frame),
 then samples and sends priorities back for ``--seconds`` (prefetching, as the learner loop
 does). Rates are summed over learners. In-process means the same shard and client in this
-one process, without RPC. With ``--atari`` it also prints what one stored transition costs
-in memory against storing both stacks. Prints a table and, last, a JSON line.
+one process, without RPC. With ``--atari`` the RPC runs are made twice: the sampled frames
+come through shared memory (as from a replay process on the learner's machine) and over
+the socket (as from one on another machine); it also prints what one stored transition
+costs in memory against storing both stacks. Prints a table and, last, a JSON line.
 """
 
 from __future__ import annotations
@@ -112,10 +114,16 @@ def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dic
     return {"extends_per_s": extend_rate, "samples_per_s": sampled / (time.perf_counter() - started)}
 
 
-def make_client(shards: list, args, first_shard: int = 0) -> ReplayClient:
+def make_client(shards: list, args, first_shard: int = 0, share_frames: bool = False) -> ReplayClient:
     ahead = args.requests_ahead
     return ReplayClient(
-        shards, args.batch_size, BETA, args.batches_per_request, first_shard, requests_ahead=ahead
+        shards,
+        args.batch_size,
+        BETA,
+        args.batches_per_request,
+        first_shard,
+        requests_ahead=ahead,
+        share_frames=share_frames,
     )
 
 
@@ -147,7 +155,7 @@ def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str
     return rates, footprint
 
 
-def rank_main(rank: int, learners: int, ports: tuple[int, int], args, results) -> None:
+def rank_main(rank: int, learners: int, ports: tuple[int, int], args, share_frames: bool, results) -> None:
     """Learners first, then the replay processes, as in a run; written out rather than
     planned, since a run with one learner keeps its buffer in-process."""
     torch.set_num_threads(1)
@@ -163,17 +171,18 @@ def rank_main(rank: int, learners: int, ports: tuple[int, int], args, results) -
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=120, collective_timeout_s=120)
     if plan.role == topology.LEARNER:
         shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
-        client = make_client(shards, args, first_shard=plan.learner_index)
+        client = make_client(shards, args, plan.learner_index, share_frames)
         results[rank] = measure(client, data, args.seconds)
         dist.destroy_process_group()
     topology.disconnect(plan)
 
 
-def over_rpc(learners: int, args) -> dict[str, float]:
+def over_rpc(learners: int, args, share_frames: bool) -> dict[str, float]:
     ports = (free_port(), free_port())
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(rank_main, args=(learners, ports, args, results), nprocs=learners + args.shards)
+        ranks = learners + args.shards
+        mp.spawn(rank_main, args=(learners, ports, args, share_frames, results), nprocs=ranks)
         rows = list(results.values())
     return {key: sum(row[key] for row in rows) for key in ("extends_per_s", "samples_per_s")}
 
@@ -209,11 +218,15 @@ def main() -> None:
     data = workload(args, seed=0)
     before, footprint = in_process(args, data)
     rows = {"in-process, before": {**before, "learners": 1}}
+    # Pixels: a run's learners get the frames through shared memory from the replay
+    # processes on their machine, over the socket from the others'. Both are measured.
+    paths = {"": True} if not args.atari else {", shared memory": True, ", socket": False}
     for learners in args.learners:
-        rows[f"rpc, {args.shards} shard(s), {learners} learner(s)"] = {
-            **over_rpc(learners, args),
-            "learners": learners,
-        }
+        for path, share_frames in paths.items():
+            rows[f"rpc, {args.shards} shard(s), {learners} learner(s){path}"] = {
+                **over_rpc(learners, args, share_frames),
+                "learners": learners,
+            }
     # Measured again after the RPC runs, and the faster of the two is the baseline: on a
     # machine shared with other jobs, one measurement can fall on a busy moment.
     rows["in-process, after"] = {**in_process(args, data)[0], "learners": 1}
@@ -227,7 +240,7 @@ def main() -> None:
         f"{args.requests_ahead} request(s) ahead"
     )
     print(
-        f"{'setup':<32} {'extends/s':>10} {'samples/s':>10} {'vs in-process':>14} "
+        f"{'setup':<46} {'extends/s':>10} {'samples/s':>10} {'vs in-process':>14} "
         f"{'per learner':>12} {'vs in-process':>14}"
     )
     for name, row in rows.items():
@@ -237,7 +250,7 @@ def main() -> None:
             per_learner / baseline["samples_per_s"],
         )
         print(
-            f"{name:<32} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {total:>14.2f} "
+            f"{name:<46} {row['extends_per_s']:>10.0f} {row['samples_per_s']:>10.0f} {total:>14.2f} "
             f"{per_learner:>12.0f} {each:>14.2f}"
         )
     if footprint:

@@ -89,6 +89,9 @@ def test_dqn_on_atari_on_two_learners_keeps_uint8_frame_stacks(tmp_path):
     # its observation's four frames and the next observation's newest.
     assert "observation" not in batch.keys()
     assert batch["pixels"].dtype == torch.uint8 and batch["pixels"].shape == (4, 5, 84, 84)
+    # Both learners share the replay process's machine: their samples' frames came through
+    # shared memory, not the socket.
+    assert summary["replay_shared_memory_readers"] == [2]
     resolved = OmegaConf.load(tmp_path / "config.yaml")
     # DQN's Atari settings (CleanRL's) came with the env id, with the command line on top.
     assert resolved.env.life_loss and resolved.env.clip_rewards and resolved.algo.lr == 1e-4

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, topology
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, replay, topology
 from {{ cookiecutter.package_name }}.collector import make_env
 from {{ cookiecutter.package_name }}.replay import FRAMES, NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
 
@@ -102,6 +102,48 @@ def test_transitions_whose_frames_were_overwritten_are_never_sampled(batches):
         assert torch.equal(sample[OBSERVATION], truth[sample[STEP_ID]][OBSERVATION])
 
 
+def test_frames_through_shared_memory_are_the_envs_own_and_stay_for_a_request(batches):
+    shard = ReplayShard(1000, 0.6, 0.4, "td_error")
+    client = ReplayClient(
+        [topology.LocalRef(shard)], batch_size=16, beta=0.4, batches_per_request=2, share_frames=True
+    )
+    for batch in batches:
+        client.extend(batch)
+    client.flush()
+    truth = by_step(batches)
+    before = set(replay.SHARED_MEMORY.iterdir())
+    for _ in range(2):  # the first request's batches: their frames come in its reply
+        client.sample()
+    assert list(client.slots) == [0] and len(client.slots[0]) == 3  # requests_ahead + 2
+    slots = {slot.untyped_storage().data_ptr() for slot in client.slots[0]}
+    assert set(replay.SHARED_MEMORY.iterdir()) <= before  # mapped, and their files already gone
+    taken = []
+    for _ in range(20):
+        taken.append(client.sample())
+        assert taken[-1][OBSERVATION].untyped_storage().data_ptr() in slots
+        # A batch's frames stay as they were while the learner takes another request's batches.
+        for sample in taken[-3:]:
+            expected = truth[sample[STEP_ID]]
+            assert torch.equal(sample[OBSERVATION], expected[OBSERVATION])
+            assert torch.equal(sample[NEXT_OBSERVATION], expected[NEXT_OBSERVATION])
+
+
+def test_without_shared_memory_the_frames_come_in_the_replies(batches, tmp_path, monkeypatch):
+    monkeypatch.setattr(replay, "SHARED_MEMORY", tmp_path / "absent")
+    shard = ReplayShard(1000, 0.6, 0.4, "td_error")
+    client = ReplayClient([topology.LocalRef(shard)], batch_size=16, beta=0.4, share_frames=True)
+    for batch in batches:
+        client.extend(batch)
+    client.flush()
+    truth = by_step(batches)
+    for _ in range(10):
+        sample = client.sample()
+        assert torch.equal(sample[OBSERVATION], truth[sample[STEP_ID]][OBSERVATION])
+    assert client.slots == {} and shard.readers == {}
+    # A shard on another machine does not find a learner's slots, and says so.
+    assert not shard.attach("elsewhere", [str(tmp_path / "slot-0")], 1024)
+
+
 def test_memmap_storage_writes_its_files_in_the_named_directory(batches, tmp_path):
     (shard,), client = filled(batches, storage="memmap", directory=tmp_path / "shard-0")
     assert list((tmp_path / "shard-0" / "transitions").rglob("*.memmap"))  # torchrl's files
@@ -123,7 +165,7 @@ def sample_over_rpc(rank: int, ports: tuple[int, int], result: dict) -> None:
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
     if plan.role == topology.LEARNER:
         shards = [topology.handle(plan, owner, "replay") for owner in plan.replay_ranks]
-        client = ReplayClient(shards, batch_size=64, beta=0.4)
+        client = ReplayClient(shards, batch_size=64, beta=0.4, share_frames=True)
         for batch in batches:
             client.extend(batch)
         client.flush()
@@ -137,6 +179,7 @@ def sample_over_rpc(rank: int, ports: tuple[int, int], result: dict) -> None:
             assert torch.equal(sample[NEXT_OBSERVATION], expected[NEXT_OBSERVATION])
             checked += sample.numel()
         result["checked"] = checked
+        result["shared"] = sorted(client.slots)  # shards writing frames into shared memory
         result["shards"] = sorted(set(sample["shard"].tolist()))
         result["sizes"] = [shard.rpc_sync().stats()["size"] for shard in shards]
         dist.destroy_process_group()
@@ -149,7 +192,7 @@ def test_stacks_sampled_over_rpc_from_two_shards_are_the_envs_own():
     with mp.Manager() as manager:
         result = manager.dict()
         mp.spawn(sample_over_rpc, args=((free_port(), free_port()), result), nprocs=3)
-        assert result["checked"] == 640 and result["shards"] == [0, 1], dict(result)
+        assert result["checked"] == 640 and result["shards"] == result["shared"] == [0, 1], dict(result)
         assert result["sizes"] == [ENVS * STEPS * BATCHES // 2] * 2  # one env copy each
 
 

@@ -63,7 +63,7 @@ def test_client_writes_are_all_kept_in_order():
     for start in range(0, 500, 50):
         client.extend(transitions(start, 50))
     client.flush()
-    assert shard.stats() == {"size": 500, "inserted": 500, "stale_updates": 0}
+    assert shard.stats() == {"size": 500, "inserted": 500, "stale_updates": 0, "shared_memory_readers": 0}
     assert torch.equal(shard.buffer[:]["observation"], torch.arange(500, dtype=torch.float32))
 
 

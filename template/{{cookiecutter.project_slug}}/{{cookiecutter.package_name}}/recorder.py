@@ -156,6 +156,8 @@ class Recorder:
             "replay_size": sum(shard["size"] for shard in shards),
             "replay_shard_sizes": [shard["size"] for shard in shards],
             "stale_priority_updates": sum(shard["stale_updates"] for shard in shards),
+            # Per shard: the learners that get their sampled frames through shared memory.
+            "replay_shared_memory_readers": [shard["shared_memory_readers"] for shard in shards],
             # The signal that stopped the run before total_frames, if one did.
             "resumed_from": self.resumed_from,
             "stopped_by": next((stats["stopped_by"] for stats in learners if stats["stopped_by"]), None),

@@ -19,6 +19,11 @@ whole (ale-py fills it with zeros), so no frame of an earlier episode can enter 
 torchrl's prioritized samplers draw whole stored rows (``PrioritizedSliceSampler``:
 slices of trajectories), not single transitions over shared frames: that part is ours.
 
+A sampled batch of Pong frames is 9 MB (8 batches of 32, five frames each). A shard on the
+learner's machine gathers them straight into the learner's reply slots, files in shared
+memory that both processes map, and the RPC reply carries the rest; from a shard on
+another machine they come over the socket (``ReplayClient``, README "The data path").
+
 A checkpoint's shards resume on another number of shards (``ReplayShard.restore``): each
 new shard reads every saved one and keeps its part, each transition with its priority and
 the frames it needs, so the buffer goes on as it was, spread over the new shards.
@@ -30,6 +35,7 @@ import atexit
 import collections
 import logging
 import math
+import os
 import threading
 import uuid
 from collections.abc import Sequence
@@ -58,6 +64,8 @@ REDRAWS = 20
 LOST = -(2**62)
 # Added to every priority before the exponent (torchrl's default, named: ``stored_priorities`` takes it off).
 EPS = 1e-8
+# Where a learner's reply slots live: memory, not disk, on Linux.
+SHARED_MEMORY = Path("/dev/shm")
 
 
 def make_storage(kind: str, capacity: int, directory: str | Path | None) -> Storage:
@@ -102,6 +110,7 @@ class ReplayShard:
         self.generation = torch.zeros(capacity, dtype=torch.long)
         self.inserted = 0
         self.stale_updates = 0
+        self.readers: dict[str, list[torch.Tensor]] = {}  # a learner's name -> its reply slots
         self._lock = threading.Lock()
 
     def extend(self, transitions: TensorDictBase) -> None:
@@ -136,24 +145,39 @@ class ReplayShard:
             self.generation[index] += 1
             self.inserted += transitions.numel()
 
-    def sample(self, count: int) -> tuple[TensorDictBase | None, float, float]:
+    def attach(self, reader: str, paths: list[str], nbytes: int) -> bool:
+        """Map the reply slots (files of ``nbytes``) of the learner named ``reader``; False
+        when they are not on this machine."""
+        if not all(Path(path).is_file() for path in paths):
+            return False
+        slots = [torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) for path in paths]
+        with self._lock:
+            self.readers[reader] = slots
+        return True
+
+    def sample(
+        self, count: int, into: tuple[str, int] | None = None
+    ) -> tuple[TensorDictBase | None, float, float]:
         """``count`` transitions drawn by priority (none for 0), and this shard's priority
-        mass: the sum and the minimum of its priorities, as the weights were computed."""
+        mass: the sum and the minimum of its priorities, as the weights were computed.
+        With ``into`` (a reader and one of its slots), the frames go into that slot, not
+        into the batch."""
         with self._lock:
             batch = None
             if count > 0:
                 batch = self.buffer.sample(count)
                 if FRAMES in batch.keys():
-                    batch = self._with_pixels(batch)
+                    batch = self._with_pixels(batch, self.readers[into[0]][into[1]] if into else None)
                 batch[GENERATION] = self.generation[batch["index"]]
                 batch[SHARD] = torch.full((count,), self.shard)
             return batch, *self._mass()
 
-    def _with_pixels(self, batch: TensorDictBase) -> TensorDictBase:
+    def _with_pixels(self, batch: TensorDictBase, slot: torch.Tensor | None) -> TensorDictBase:
         """``batch`` with each transition's frames (``PIXELS``: its observation's stack and
-        the next observation's newest frame) in place of their stamps. A transition whose
-        frames were overwritten is drawn again: this is rejection sampling, so the draws
-        stay distributed by priority over the transitions that still have their frames."""
+        the next observation's newest frame) in place of their stamps, or, given a reply
+        ``slot``, without them: they are in the slot. A transition whose frames were
+        overwritten is drawn again: this is rejection sampling, so the draws stay
+        distributed by priority over the transitions that still have their frames."""
         for _ in range(REDRAWS):
             lost = ~self.frames.holds(batch[FRAMES])
             if not lost.any():
@@ -161,7 +185,10 @@ class ReplayShard:
             batch[lost] = self.buffer.sample(int(lost.sum()))
         else:
             raise RuntimeError(f"shard {self.shard}: too few transitions still have their frames")
-        batch[PIXELS] = self.frames.read(batch[FRAMES])
+        if slot is None:
+            batch[PIXELS] = self.frames.read(batch[FRAMES])
+        else:
+            self.frames.read(batch[FRAMES], out=slot)
         return batch.exclude(FRAMES)
 
     def update_priority(self, priorities: TensorDictBase) -> None:
@@ -249,7 +276,12 @@ class ReplayShard:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"size": len(self.buffer), "inserted": self.inserted, "stale_updates": self.stale_updates}
+            return {
+                "size": len(self.buffer),
+                "inserted": self.inserted,
+                "stale_updates": self.stale_updates,
+                "shared_memory_readers": len(self.readers),
+            }
 
     def _mass(self) -> tuple[float, float]:
         # torchrl keeps the sum and the minimum of the (transformed) priorities in its
@@ -425,8 +457,16 @@ class FrameStore:
         """Per row of ``stamps``: whether all its frames are still here."""
         return stamps.min(-1).values >= self.written - self.capacity
 
-    def read(self, stamps: torch.Tensor) -> torch.Tensor:
-        frames = self.frames.index_select(0, stamps.flatten() % self.capacity)
+    def read(self, stamps: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The frames of ``stamps``, shaped ``[*stamps.shape, *frame_shape]``, gathered into
+        the start of the flat uint8 tensor ``out`` if given (a reply slot)."""
+        rows = stamps.flatten() % self.capacity
+        if out is None:
+            frames = self.frames.index_select(0, rows)
+        else:
+            frames = torch.index_select(
+                self.frames, 0, rows, out=out[: rows.numel() * self.frames.shape[1]].view(rows.numel(), -1)
+            )
         return frames.view(*stamps.shape, *self.frame_shape)
 
     def save(self, folder: Path) -> None:
@@ -499,6 +539,20 @@ def pack(batch: TensorDictBase, linked: torch.Tensor) -> tuple[TensorDictBase, t
     return rows, frames, written.sum(1)
 
 
+Request = tuple[list[torch.futures.Future], int | None]
+
+
+def shared_memory_tensor(path: Path, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor in a new file ``path`` that other processes can map. Its pages are
+    reserved here, so a full /dev/shm is an OSError now, not a SIGBUS at a later write."""
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(descriptor, 0, nbytes)
+    finally:
+        os.close(descriptor)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
 class ReplayClient:
     """A learner's view of the replay shards: writes are asynchronous, samples prefetched.
 
@@ -511,6 +565,12 @@ class ReplayClient:
     ``extend`` takes a collector batch ``[env copies, steps]``. Stacked pixel observations
     (``is_frame_stack``, decided at the first batch) go frame by frame, each env copy always
     to the same shard; anything else goes row by row, each batch to the next shard.
+
+    With ``share_frames`` (shards in other processes), once the first sampled frames have
+    come, each shard on this machine writes the next requests' frames into reply slots in
+    shared memory: the frames of one request are one slot. A request ``n`` uses slot
+    ``n % (requests_ahead + 2)``, so a batch's frames stay as they are until the learner
+    has taken another ``batches_per_request`` batches: copy them to keep a batch longer.
     """
 
     def __init__(
@@ -522,6 +582,7 @@ class ReplayClient:
         first_shard: int = 0,
         max_in_flight: int = 8,
         requests_ahead: int = 1,
+        share_frames: bool = False,
     ) -> None:
         self.shards = list(shards)
         self.batch_size = batch_size
@@ -534,7 +595,12 @@ class ReplayClient:
         self._writes: collections.deque[torch.futures.Future] = collections.deque()
         self._priorities: list[TensorDictBase] = []
         self._batches: collections.deque[TensorDictBase] = collections.deque()
-        self._requests: collections.deque[list[torch.futures.Future]] = collections.deque()
+        # Requests in flight: each shard's future and the request's reply slot (or None).
+        self._requests: collections.deque[Request] = collections.deque()
+        self.share_frames = share_frames
+        self.slots: dict[int, list[torch.Tensor]] = {}  # shard -> its reply slots (shared frames)
+        self._pixel_shape: torch.Size | None = None  # one sampled transition's frames
+        self._sent = 0  # requests with reply slots sent so far
         self._mass_sum = torch.zeros(len(self.shards), dtype=torch.float64)
         self._mass_min = torch.full((len(self.shards),), math.inf, dtype=torch.float64)
         self._frame_stack: bool | None = None  # decided by the first batch
@@ -614,12 +680,12 @@ class ReplayClient:
         while self._writes:
             self._writes.popleft().wait()
         while self._requests:
-            torch.futures.wait_all(self._requests.popleft())
+            torch.futures.wait_all(self._requests.popleft()[0])
         self._batches.clear()
         if len(self.shards) > 1:
             self._receive(self._ask([0] * len(self.shards)))  # the shards' masses as of now
 
-    def _request(self) -> list[torch.futures.Future]:
+    def _request(self) -> Request:
         """Ask every shard for its share of the next ``batches_per_request`` batches.
 
         Shares are drawn from a multinomial over the shards' priority mass as of their last
@@ -634,20 +700,37 @@ class ReplayClient:
             if self._mass_sum.sum() <= 0:
                 raise RuntimeError("every replay shard is empty: nothing to sample")
             counts = torch.distributions.Multinomial(total, self._mass_sum).sample().long().tolist()
-        return self._ask(counts)
+        slot = None
+        if self.slots:
+            slot = self._sent % (self.requests_ahead + 2)
+            self._sent += 1
+        return self._ask(counts, slot)
 
-    def _ask(self, counts: list[int]) -> list[torch.futures.Future]:
-        return [shard.rpc_async().sample(count) for shard, count in zip(self.shards, counts, strict=True)]
+    def _ask(self, counts: list[int], slot: int | None = None) -> Request:
+        futures = []
+        for index, (shard, count) in enumerate(zip(self.shards, counts, strict=True)):
+            into = (self._writer, slot) if slot is not None and index in self.slots else None
+            futures.append(shard.rpc_async().sample(count, into))
+        return futures, slot
 
-    def _receive(self, request: list[torch.futures.Future]) -> list[TensorDictBase]:
-        replies = [future.wait() for future in request]
+    def _receive(self, request: Request) -> list[TensorDictBase]:
+        futures, slot = request
+        replies = [future.wait() for future in futures]
         for shard, (_, total, lowest) in enumerate(replies):
             self._mass_sum[shard], self._mass_min[shard] = total, lowest
         global_min = float(self._mass_min.min())
         parts = []
-        for batch, _, lowest in replies:
+        for shard, (batch, _, lowest) in enumerate(replies):
             if batch is None:
                 continue
+            if PIXELS in batch.keys() and self._pixel_shape is None:
+                self._pixel_shape = batch[PIXELS].shape[1:]
+                if self.share_frames:
+                    self._share_frames()
+            elif slot is not None and shard in self.slots:
+                # The frames are in the slot, in the batch's order; views, no copy.
+                frames = len(batch) * math.prod(self._pixel_shape)
+                batch[PIXELS] = self.slots[shard][slot][:frames].view(len(batch), *self._pixel_shape)
             if lowest != global_min:
                 # torchrl normalised the weights by this shard's smallest priority,
                 # (p / p_min_shard) ** -beta; one buffer would use the smallest of all.
@@ -660,6 +743,34 @@ class ReplayClient:
         # Shuffled, the shards' shares make independent draws from the whole mixture.
         chunk = torch.cat(parts)
         return list(chunk[torch.randperm(chunk.numel())].split(self.batch_size))
+
+    def _share_frames(self) -> None:
+        """Make reply slots with each shard that can map this machine's shared memory; the
+        others go on sending frames over the socket."""
+        if not SHARED_MEMORY.is_dir():
+            return
+        nbytes = self.batch_size * self.batches_per_request * math.prod(self._pixel_shape)
+        for index, shard in enumerate(self.shards):
+            paths = [
+                SHARED_MEMORY / f"replay-{self._writer}-{index}-{n}" for n in range(self.requests_ahead + 2)
+            ]
+            try:
+                slots = [shared_memory_tensor(path, nbytes) for path in paths]
+                if shard.rpc_sync().attach(self._writer, [str(path) for path in paths], nbytes):
+                    self.slots[index] = slots
+            except OSError as error:
+                log.warning(
+                    "replay: no room in %s for reply slots of %d MB (%s; a container's default is "
+                    "64 MB, see docker run --shm-size): frames come over the socket",
+                    SHARED_MEMORY,
+                    len(paths) * nbytes >> 20,
+                    error.strerror,
+                )
+                return
+            finally:
+                # Both processes have them mapped: the memory goes when the last one unmaps.
+                for path in paths:
+                    path.unlink(missing_ok=True)
 
     def _send_priorities(self) -> None:
         if not self._priorities:
