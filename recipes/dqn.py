@@ -33,8 +33,8 @@ FAMILY_DEFAULTS = {
     # first 1M of 10M steps, learning from 80k, its life-loss and reward-clipping wrappers.
     # The 1M-transition replay of the paper is replay.capacity=1000000. A learner fetches
     # the 8 batches of a collector step in one request: a request's fixed cost over RPC is
-    # spread over twice the frames (Pong, one learner: 45,000 samples/s over RPC against
-    # 33,000 to 35,000 with 4 per request; README "The data path").
+    # spread over twice the frames (Pong, one learner, frames over the socket: 45,000
+    # samples/s against 33,000 to 35,000 with 4 per request; README "The data path").
     "atari": {
         "env": {"num_envs": 8, "life_loss": True, "clip_rewards": True},
         "replay": {"batches_per_request": 8},
