@@ -604,7 +604,7 @@ class ReplayClient:
         self._mass_sum = torch.zeros(len(self.shards), dtype=torch.float64)
         self._mass_min = torch.full((len(self.shards),), math.inf, dtype=torch.float64)
         self._frame_stack: bool | None = None  # decided by the first batch
-        self._writer = uuid.uuid4().hex  # names this client's streams on the shards
+        self._writer = uuid.uuid4().hex  # names this client's streams and reply slots on the shards
         self._newest: dict[int, torch.Tensor] = {}  # env copy -> the next observation last written
         self._frame_writes: dict[int, torch.futures.Future] = {}  # shard -> its last frame write
 
