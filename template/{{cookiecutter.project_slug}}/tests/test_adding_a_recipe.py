@@ -70,5 +70,6 @@ def test_the_guide_adds_a_recipe_that_trains_on_two_learners(tmp_path):
 
     tested = run([sys.executable, *shlex.split(pytest_run)[1:], "-p", "no:cacheprovider"], project)
     assert tested.returncode == 0, tested.stdout[-3000:]
-    # One-process training, its RUN_DEFAULTS, its --help; the guide's fabric run did the rest.
-    assert re.search(r"\b3 passed\b", tested.stdout), tested.stdout[-500:]
+    # One-process training, its RUN_DEFAULTS twice (the command line wins; config.yaml
+    # leaves them to it), its --help; the guide's fabric run did the rest.
+    assert re.search(r"\b4 passed\b", tested.stdout), tested.stdout[-500:]
