@@ -140,8 +140,11 @@ def test_without_shared_memory_the_frames_come_in_the_replies(batches, tmp_path,
         sample = client.sample()
         assert torch.equal(sample[OBSERVATION], truth[sample[STEP_ID]][OBSERVATION])
     assert client.slots == {} and shard.readers == {}
-    # A shard on another machine does not find a learner's slots, and says so.
-    assert not shard.attach("elsewhere", [str(tmp_path / "slot-0")], 1024)
+    # A shard on another machine does not find a learner's slots, and says so; it maps
+    # nothing outside shared memory.
+    assert not shard.attach("elsewhere", [str(replay.SHARED_MEMORY / "slot-0")], 1024)
+    with pytest.raises(ValueError, match="reply slots must be files in"):
+        shard.attach("elsewhere", [str(tmp_path / "slot-0")], 1024)
 
 
 def test_memmap_storage_writes_its_files_in_the_named_directory(batches, tmp_path):

@@ -148,6 +148,9 @@ class ReplayShard:
     def attach(self, reader: str, paths: list[str], nbytes: int) -> bool:
         """Map the reply slots (files of ``nbytes``) of the learner named ``reader``; False
         when they are not on this machine."""
+        if any(Path(path).parent != SHARED_MEMORY for path in paths):
+            # The shard writes into what it maps: nothing outside shared memory.
+            raise ValueError(f"reply slots must be files in {SHARED_MEMORY}: {paths}")
         if not all(Path(path).is_file() for path in paths):
             return False
         slots = [torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) for path in paths]
