@@ -102,7 +102,10 @@ def test_transitions_whose_frames_were_overwritten_are_never_sampled(batches):
         assert torch.equal(sample[OBSERVATION], truth[sample[STEP_ID]][OBSERVATION])
 
 
-def test_frames_through_shared_memory_are_the_envs_own_and_stay_for_a_request(batches):
+def test_frames_through_shared_memory_are_the_envs_own_and_stay_for_a_request(batches, tmp_path, monkeypatch):
+    # A folder of this test's own, so that the check for files left behind sees no other
+    # test's: the slots are mapped files wherever they live (/dev/shm keeps them in memory).
+    monkeypatch.setattr(replay, "SHARED_MEMORY", tmp_path)
     shard = ReplayShard(1000, 0.6, 0.4, "td_error")
     client = ReplayClient(
         [topology.LocalRef(shard)], batch_size=16, beta=0.4, batches_per_request=2, share_frames=True
@@ -111,12 +114,11 @@ def test_frames_through_shared_memory_are_the_envs_own_and_stay_for_a_request(ba
         client.extend(batch)
     client.flush()
     truth = by_step(batches)
-    before = set(replay.SHARED_MEMORY.iterdir())
     for _ in range(2):  # the first request's batches: their frames come in its reply
         client.sample()
     assert list(client.slots) == [0] and len(client.slots[0]) == 3  # requests_ahead + 2
     slots = {slot.untyped_storage().data_ptr() for slot in client.slots[0]}
-    assert set(replay.SHARED_MEMORY.iterdir()) <= before  # mapped, and their files already gone
+    assert not any(tmp_path.iterdir())  # mapped, and their files already gone
     taken = []
     for _ in range(20):
         taken.append(client.sample())
