@@ -115,14 +115,13 @@ def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dic
 
 
 def make_client(shards: list, args, first_shard: int = 0, share_frames: bool = False) -> ReplayClient:
-    ahead = args.requests_ahead
     return ReplayClient(
         shards,
         args.batch_size,
         BETA,
         args.batches_per_request,
         first_shard,
-        requests_ahead=ahead,
+        requests_ahead=args.requests_ahead,
         share_frames=share_frames,
     )
 

@@ -45,17 +45,10 @@ def test_a_recipe_sets_only_what_config_yaml_leaves_to_it(recipe):
     file = OmegaConf.load(PROJECT / "config.yaml")
     module = recipes.load(recipe)
     for defaults in [module.RUN_DEFAULTS, *getattr(module, "FAMILY_DEFAULTS", {}).values()]:
-        for key in leaf_keys(OmegaConf.create(defaults)):
+        for key in flat_keys(defaults):
             parent, _, leaf = key.rpartition(".")
             section = OmegaConf.select(file, parent) if parent else file
             assert section is None or leaf not in section or OmegaConf.is_missing(section, leaf), key
-
-
-def leaf_keys(node, prefix: str = "") -> list[str]:
-    if not OmegaConf.is_dict(node):
-        return [prefix.removesuffix(".")]
-    items = node.items_ex(resolve=False)
-    return [leaf for key, value in items for leaf in leaf_keys(value, f"{prefix}{key}.")]
 
 
 def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):

@@ -602,6 +602,7 @@ class ReplayClient:
         self._requests: collections.deque[Request] = collections.deque()
         self.share_frames = share_frames
         self.slots: dict[int, list[torch.Tensor]] = {}  # shard -> its reply slots (shared frames)
+        self._slot_count = requests_ahead + 2  # see above: a batch outlives the next request's
         self._pixel_shape: torch.Size | None = None  # one sampled transition's frames
         self._sent = 0  # requests with reply slots sent so far
         self._mass_sum = torch.zeros(len(self.shards), dtype=torch.float64)
@@ -705,7 +706,7 @@ class ReplayClient:
             counts = torch.distributions.Multinomial(total, self._mass_sum).sample().long().tolist()
         slot = None
         if self.slots:
-            slot = self._sent % (self.requests_ahead + 2)
+            slot = self._sent % self._slot_count
             self._sent += 1
         return self._ask(counts, slot)
 
@@ -754,9 +755,7 @@ class ReplayClient:
             return
         nbytes = self.batch_size * self.batches_per_request * math.prod(self._pixel_shape)
         for index, shard in enumerate(self.shards):
-            paths = [
-                SHARED_MEMORY / f"replay-{self._writer}-{index}-{n}" for n in range(self.requests_ahead + 2)
-            ]
+            paths = [SHARED_MEMORY / f"replay-{self._writer}-{index}-{n}" for n in range(self._slot_count)]
             try:
                 slots = [shared_memory_tensor(path, nbytes) for path in paths]
                 if shard.rpc_sync().attach(self._writer, [str(path) for path in paths], nbytes):
