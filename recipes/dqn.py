@@ -34,7 +34,7 @@ FAMILY_DEFAULTS = {
     # The 1M-transition replay of the paper is replay.capacity=1000000. A learner fetches
     # the 8 batches of a collector step in one request: a request's fixed cost over RPC is
     # spread over twice the frames (Pong, one learner, frames over the socket: 45,000
-    # samples/s against 33,000 to 35,000 with 4 per request; README "The data path").
+    # samples/s against 33,000 to 35,000 with 4 per request; docs/distributed.md, "The data path").
     "atari": {
         "env": {"num_envs": 8, "life_loss": True, "clip_rewards": True},
         "replay": {"batches_per_request": 8},
@@ -55,7 +55,7 @@ FAMILY_DEFAULTS = {
     # copied every 1,000 updates, epsilon 1 -> 0.1 over 100k steps, learning from 5,000,
     # 5M steps, a 100k replay (config.yaml's); Adam at its RMSProp's 2.5e-4. Its replay is
     # uniform, and so is this one: prioritized, Freeway-v0 scored 12.6 after 600k frames;
-    # uniform, 34.8 after 100k (benchmarks/learning.py, README "MuJoCo, MinAtar and Atari").
+    # uniform, 34.8 after 100k (benchmarks/learning.py, docs/benchmarks.md).
     "minatar": {
         "env": {"num_envs": 8},
         "replay": {"alpha": 0.0},
@@ -113,6 +113,7 @@ class Agent(nn.Module):
     """
 
     uses_replay = True
+    action_spaces = ("discrete",)
     batch_keys = (
         "observation",
         "action",
@@ -121,7 +122,6 @@ class Agent(nn.Module):
         ("next", "done"),
         ("next", "terminated"),
     )
-    priority_key = "td_error"
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -152,16 +152,14 @@ class Agent(nn.Module):
         """The collector's policy: greedy actions with epsilon-random exploration."""
         return TensorDictSequential(self.actor, self.exploration)
 
-    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on a sampled batch. DQNLoss writes ``td_error`` into ``batch`` in place."""
+    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on a sampled batch, and each transition's new priority: its TD error, which
+        DQNLoss writes into ``batch``."""
         loss = self.loss_module(batch)["loss"]
-        return loss, {"loss": loss.detach(), "epsilon": self.exploration.eps.detach()}
+        return loss, batch["td_error"], {"loss": loss.detach(), "epsilon": self.exploration.eps.detach()}
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"adam": torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)}
-
-    def optimizers_to_step(self, update: int) -> list[str]:
-        return ["adam"]
 
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Anneal epsilon by the frames all learners collected in this step, in closed form:
@@ -172,8 +170,10 @@ class Agent(nn.Module):
         eps = self.exploration.eps
         eps.copy_((eps - decay).clamp(min=cfg.eps_end))
 
-    def after_update(self, update: int) -> None:
-        """HardUpdate counts the updates itself and copies every ``target_update_period``."""
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
+        """After backward: Adam steps; HardUpdate counts the updates itself and copies the
+        Q network into the target every ``target_update_period``."""
+        optimizers["adam"].step()
         self.target_updater.step()
 
 

@@ -69,6 +69,7 @@ class Agent(nn.Module):
     """
 
     uses_replay = False
+    action_spaces = ("discrete",)
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -111,8 +112,9 @@ class Agent(nn.Module):
         """The collector's policy: samples actions and records their log-probabilities."""
         return self.actor
 
-    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on a minibatch that ``after_collect`` gave advantages to."""
+    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, None, dict[str, torch.Tensor]]:
+        """Loss on a minibatch that ``after_collect`` gave advantages to (no priorities:
+        nothing is replayed)."""
         losses = self.loss_module(batch)
         loss = losses["loss_objective"] + losses["loss_critic"] + losses["loss_entropy"]
         metrics = {
@@ -120,7 +122,7 @@ class Agent(nn.Module):
             "loss_critic": losses["loss_critic"].detach(),
             "entropy": losses["entropy"].detach(),
         }
-        return loss, metrics
+        return loss, None, metrics
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         adam = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
@@ -134,9 +136,6 @@ class Agent(nn.Module):
         if not self.cfg.lr_decay_frames:
             return 1.0
         return max(0.0, 1.0 - self.frames_seen.item() / self.cfg.lr_decay_frames)
-
-    def optimizers_to_step(self, update: int) -> list[str]:
-        return ["adam"]
 
     @torch.no_grad()
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
@@ -155,5 +154,9 @@ class Agent(nn.Module):
                 self.lr_schedule.step()
         self.frames_seen += frames
 
-    def after_update(self, update: int) -> None:
-        """Nothing to do: PPO has no target network."""
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
+        """After backward: the gradients' norm clipped (DDP has averaged them already, so
+        every learner clips alike), then Adam steps. PPO has no target network."""
+        if self.cfg.max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.parameters(), self.cfg.max_grad_norm)
+        optimizers["adam"].step()

@@ -82,6 +82,7 @@ class Agent(nn.Module):
     """
 
     uses_replay = True
+    action_spaces = ("continuous",)
     batch_keys = (
         "observation",
         "action",
@@ -90,7 +91,6 @@ class Agent(nn.Module):
         ("next", "done"),
         ("next", "terminated"),
     )
-    priority_key = "td_error"
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -146,8 +146,9 @@ class Agent(nn.Module):
         """The collector's policy: samples from the actor (greedy evaluation takes its mode)."""
         return self.actor
 
-    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on a sampled batch. SACLoss writes ``td_error`` into ``batch`` in place.
+    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on a sampled batch, and each transition's new priority: the critics' TD
+        error, which SACLoss writes into ``batch``.
 
         One backward pass over the sum of the three losses gives each optimizer its own
         loss's gradients: SACLoss detaches what each loss must not train (the critics in
@@ -156,7 +157,7 @@ class Agent(nn.Module):
         losses = self.loss_module(batch)
         loss = losses["loss_actor"] + losses["loss_qvalue"] + losses["loss_alpha"]
         metrics = {key: losses[key].detach() for key in ("loss_actor", "loss_qvalue", "alpha", "entropy")}
-        return loss, metrics
+        return loss, batch["td_error"], metrics
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         loss_module, cfg = self.loss_module, self.cfg
@@ -166,11 +167,12 @@ class Agent(nn.Module):
             "alpha": torch.optim.Adam([loss_module.log_alpha], lr=cfg.q_lr),
         }
 
-    def optimizers_to_step(self, update: int) -> list[str]:
-        return ["actor", "critics", "alpha"]
-
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Nothing to do: exploration is the actor's own noise."""
 
-    def after_update(self, update: int) -> None:
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
+        """After backward: every optimizer steps, then the target critics move towards the
+        critics (Polyak averaging)."""
+        for optimizer in optimizers.values():
+            optimizer.step()
         self.target_updater.step()

@@ -79,6 +79,7 @@ class Agent(nn.Module):
     """The actor and the twin critics (inside ``TD3Loss``, which also holds their targets)."""
 
     uses_replay = True
+    action_spaces = ("continuous",)
     batch_keys = (
         "observation",
         "action",
@@ -87,7 +88,6 @@ class Agent(nn.Module):
         ("next", "done"),
         ("next", "terminated"),
     )
-    priority_key = "td_error"
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -138,20 +138,21 @@ class Agent(nn.Module):
         """The collector's policy: the actor's action plus Gaussian noise."""
         return TensorDictSequential(self.actor, self.exploration)
 
-    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on a sampled batch: the critics' and the actor's, at every update.
+    def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss on a sampled batch: the critics' and the actor's, at every update; and each
+        transition's new priority.
 
         The actor's loss is part of every update although the actor moves every
         ``policy_delay`` updates only: each learner then all-reduces the same gradients at
-        every update, as DDP requires, and ``optimizers_to_step`` leaves the actor's
-        optimizer out when it must not move. TD3Loss detaches the critics in the actor's
-        loss, so the critics learn from their own loss only.
+        every update, as DDP requires, and ``optimizer_step`` leaves the actor's optimizer
+        out when it must not move. TD3Loss detaches the critics in the actor's loss, so the
+        critics learn from their own loss only.
         """
         losses = self.loss_module(batch)
-        # TD3Loss writes squared TD errors; prioritized replay ranks by their magnitude.
-        batch[self.priority_key] = batch[self.priority_key].sqrt()
         loss = losses["loss_actor"] + losses["loss_qvalue"]
-        return loss, {key: losses[key].detach() for key in ("loss_actor", "loss_qvalue")}
+        # TD3Loss writes squared TD errors into batch; prioritized replay ranks by their magnitude.
+        priorities = batch["td_error"].sqrt()
+        return loss, priorities, {key: losses[key].detach() for key in ("loss_actor", "loss_qvalue")}
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         loss_module, lr = self.loss_module, self.cfg.lr
@@ -160,14 +161,14 @@ class Agent(nn.Module):
             "actor": torch.optim.Adam(loss_module.actor_network_params.parameters(), lr=lr),
         }
 
-    def optimizers_to_step(self, update: int) -> list[str]:
-        if update % self.cfg.policy_delay == 0:
-            return ["critics", "actor"]
-        return ["critics"]
-
     def after_collect(self, batch: TensorDictBase, frames: int) -> None:
         """Nothing to do: the exploration noise is constant."""
 
-    def after_update(self, update: int) -> None:
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
+        """After backward: the critics step at every update; the actor, and the targets
+        after it, every ``policy_delay`` updates. A zero gradient would not hold the actor
+        still: Adam's momentum would move it anyway."""
+        optimizers["critics"].step()
         if update % self.cfg.policy_delay == 0:
+            optimizers["actor"].step()
             self.target_updater.step()

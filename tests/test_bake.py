@@ -176,7 +176,7 @@ def test_generated_project_trackers_keep_a_real_run(cookies):
     result = cookies.bake()
     assert result.exit_code == 0, result.exception
     output = run_tests(result.project_path, "tests/test_trackers.py", python=TRACKERS_PYTHON)
-    assert "2 passed" in output.strip().splitlines()[-1], output[-3000:]
+    assert "4 passed" in output.strip().splitlines()[-1], output[-3000:]
 
 
 # The generated tests whose outcome depends on which recipes a project has: its config and

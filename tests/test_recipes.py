@@ -45,8 +45,9 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     )
     agent = recipe.Agent(recipe.Config(), env)
     assert isinstance(agent, torch.nn.Module)
-    for attribute in ("policy", "make_optimizers", "optimizers_to_step", "after_collect", "after_update"):
+    for attribute in ("policy", "make_optimizers", "after_collect", "optimizer_step"):
         assert hasattr(agent, attribute), attribute
+    assert set(recipe.Agent.action_spaces) <= {"discrete", "continuous"} and recipe.Agent.action_spaces
 
     with torch.no_grad():  # as the runtime's collector
         batch = env.rollout(16, agent.policy, break_when_any_done=False)  # [2 envs, 16 steps]
@@ -55,16 +56,16 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     if recipe.Agent.uses_replay:
         batch = batch.select(*agent.batch_keys)
         batch["priority_weight"] = torch.ones(batch.shape)
-    loss, metrics = agent(batch)
+    loss, priorities, metrics = agent(batch)
     assert loss.ndim == 0 and torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     if recipe.Agent.uses_replay:
-        assert batch[agent.priority_key].numel() == 32
+        assert priorities.numel() == 32 and torch.isfinite(priorities).all()
+    else:
+        assert priorities is None
     optimizers = agent.make_optimizers()
     before = [p.detach().clone() for p in agent.parameters()]
     loss.backward()
-    for name in agent.optimizers_to_step(1):
-        optimizers[name].step()
-    agent.after_update(1)
+    agent.optimizer_step(optimizers, 1)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters(), strict=True))
 
 

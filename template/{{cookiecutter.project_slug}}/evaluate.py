@@ -21,9 +21,9 @@ import torch
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from {{ cookiecutter.package_name }} import checkpoint
+from {{ cookiecutter.package_name }} import checkpoint, recipes
 from {{ cookiecutter.package_name }}.config import ConfigError
-from {{ cookiecutter.package_name }}.envs import EnvUnavailable, make_env
+from {{ cookiecutter.package_name }}.envs import EnvUnavailable
 from {{ cookiecutter.package_name }}.evaluation import evaluate, record
 
 USAGE = (
@@ -51,9 +51,7 @@ def main(argv: list[str]) -> int:
         # The run's env settings (family preprocessing, vectorization, kwargs); older
         # checkpoints have only the id.
         env = state.get("env", state["env_id"])
-        specs = make_env(env, 1, args.seed)  # what the agent's layers are sized by
-        agent = recipe.Agent(recipe.Config(**state["algo"]), specs)
-        specs.close()
+        agent = recipes.make_agent(recipe, state["algo"], env)
         agent.load_state_dict(state["agent"])
         agent.eval()
         run_dir = checkpoint.run_dir_of(path)

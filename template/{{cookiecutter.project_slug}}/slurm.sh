@@ -31,7 +31,7 @@ set -euo pipefail
 # on the interface named by NET_IF, or its first address that is not loopback. Not its
 # hostname: many hosts files map the own hostname to 127.0.1.1, which the other nodes
 # cannot reach. gloo, NCCL and RPC then listen on that network instead of loopback; RPC
-# runs pickled calls, so keep the job inside a network you trust (README.md, Security).
+# runs pickled calls, so keep the job inside a network you trust (docs/clusters.md, "Security").
 if [ "$SLURM_NNODES" = 1 ]; then
     MASTER_ADDR=127.0.0.1  # one node: everything stays on loopback
 elif [ -n "${NET_IF:-}" ]; then

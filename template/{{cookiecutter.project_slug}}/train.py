@@ -8,8 +8,9 @@
 
 Every rank Fabric starts is a learner. With several of them and a replay recipe, rank 0
 also starts ``replay.ranks`` CPU processes that host the prioritized replay buffer's shards
-(replay_server.py); one process keeps its buffer in-process (see topology.py). Rank 0
-writes the run's records into run_dir.
+(distributed/replay_processes.py); one process keeps its buffer in-process (see
+distributed/topology.py). Rank 0 writes the run's records into run_dir. The training
+loops themselves are in learner.py.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from types import ModuleType
 
 import torch
 from lightning_fabric import Fabric
-from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, replay_server, topology, usage
+from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, usage
+from {{ cookiecutter.package_name }}.distributed import replay_processes, topology
+from {{ cookiecutter.package_name }}.distributed.watchdog import Watchdog
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient
-from {{ cookiecutter.package_name }}.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 DEFAULTS = Path(__file__).with_name("config.yaml")
@@ -43,11 +44,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = config.load(overrides, DEFAULTS)
         recipe = recipes.load(cfg.recipe)
-        learners = config.expected_world_size(cfg)
-        if learners:
-            plan = topology.Topology.plan(learners, 0, cfg.replay.ranks, recipe.Agent.uses_replay)
-            if cfg.resume:
-                checkpoint.check_resume(cfg, *plan.layout(recipe.Agent.uses_replay))
+        resumed = checkpoint.check_resume(cfg)
         if not FLAGS & set(argv):  # --help and --print-config run nothing
             checkpoint.check_run_dir(cfg)
     except config.ConfigError as error:
@@ -62,45 +59,17 @@ def main(argv: list[str]) -> int:
         print(usage.render(cfg, recipe, DEFAULTS))
         return 0
     if "--print-config" in argv:
-        print(OmegaConf.to_yaml(cfg), end="")
+        print(usage.annotated_config(cfg, config.sources(overrides, DEFAULTS)), end="")
         return 0
 
     logs.setup(logs.launcher_rank())
     topology.slurm_main_port()
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
-    fabric = Fabric(**fabric_arguments(cfg), loggers=make_loggers(cfg))
+    fabric = Fabric(**fabric_arguments(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
-        return run(fabric, cfg, recipe)  # `fabric run` already started the ranks; Fabric forbids launch()
-    return fabric.launch(run, cfg, recipe)
-
-
-def make_loggers(cfg: DictConfig) -> list:
-    """The loggers named in ``cfg.loggers``: Fabric's CSV and TensorBoard loggers write
-    straight into run_dir; Lightning's W&B and MLflow loggers log to ``cfg.experiment``
-    under the run_dir's name. W&B follows its own settings (``WANDB_MODE=offline``, ...);
-    MLflow logs to ``MLFLOW_TRACKING_URI``, by default a SQLite file in this folder
-    (MLflow's recommended local store; ``mlflow ui`` shows it)."""
-    run_name = Path(cfg.run_dir).name
-
-    def wandb():
-        # pytorch_lightning (the [wandb] and [mlflow] extras) is slow to import: only when asked.
-        from pytorch_lightning.loggers import WandbLogger
-
-        return WandbLogger(name=run_name, project=cfg.experiment, save_dir=cfg.run_dir)
-
-    def mlflow():
-        from pytorch_lightning.loggers import MLFlowLogger
-
-        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
-        return MLFlowLogger(cfg.experiment, run_name, tracking_uri=uri)
-
-    makers = {
-        "csv": lambda: CSVLogger(cfg.run_dir, name="", version="", flush_logs_every_n_steps=1),
-        "tensorboard": lambda: TensorBoardLogger(cfg.run_dir, name="", version="", default_hp_metric=False),
-        "wandb": wandb,
-        "mlflow": mlflow,
-    }
-    return [makers[name]() for name in cfg.loggers]
+        # `fabric run` already started the ranks; Fabric forbids launch()
+        return run(fabric, cfg, recipe, resumed)
+    return fabric.launch(run, cfg, recipe, resumed)
 
 
 def fabric_arguments(cfg: DictConfig) -> dict:
@@ -122,8 +91,9 @@ def fabric_arguments(cfg: DictConfig) -> dict:
     }
 
 
-def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
-    """This rank's part of the run; returns the process's exit code."""
+def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType, resumed: checkpoint.Checkpoint | None) -> int:
+    """This rank's part of the run; returns the process's exit code. ``resumed``: the
+    checkpoint the run goes on from."""
     plan = topology.Topology.plan(
         fabric.world_size, fabric.global_rank, cfg.replay.ranks, recipe.Agent.uses_replay
     )
@@ -137,10 +107,10 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType) -> int:
     launcher = "the launcher" if "TORCHELASTIC_RUN_ID" in os.environ else None
     watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent=launcher)
     with watchdog.watching():
-        summary = play_role(fabric, cfg, recipe, plan, address, port, watchdog)
+        summary = play_role(fabric, cfg, recipe, resumed, plan, address, port, watchdog)
     # Only now, with no heartbeats watched: a replay process stops beating once it has left
     # the RPC world, and may take a few seconds more to exit.
-    replay_server.join(list(watchdog.children.values()), cfg.rpc.heartbeat_timeout)
+    replay_processes.join(list(watchdog.children.values()), cfg.rpc.heartbeat_timeout)
     if summary is not None:
         print(f"summary: {summary}")
     if watchdog.stop.signal == "SIGUSR1" and plan.rank == 0:
@@ -157,20 +127,20 @@ def play_role(
     fabric: Fabric,
     cfg: DictConfig,
     recipe: ModuleType,
+    resumed: checkpoint.Checkpoint | None,
     plan: topology.Topology,
     address: str,
     port: int,
     watchdog: Watchdog,
 ) -> Path | None:
     """Host, connect, train, and write the records; rank 0 returns the summary."""
-    resumed = checkpoint.check_resume(cfg, *plan.layout(recipe.Agent.uses_replay)) if cfg.resume else None
     uses_replay = recipe.Agent.uses_replay
     # Objects served over RPC exist before the RPC world opens, so no call can miss them.
     if plan.rank == 0:
-        topology.host("recorder", Recorder(fabric, cfg, plan, resumed=resumed))
+        topology.host("recorder", Recorder(cfg, plan, resumed=resumed))
         if uses_replay and plan.world_size == 1:
-            topology.host("replay", replay_server.make_shard(cfg, recipe, plan, resumed))
-        replay_server.start(cfg, plan, address, port, watchdog)
+            topology.host("replay", replay_processes.make_shard(cfg, plan, resumed))
+        replay_processes.start(cfg, plan, address, port, watchdog)
     learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
     if resumed and plan.rank == 0:
         log.info("%s", resumed_line(plan, resumed, uses_replay))
@@ -203,18 +173,19 @@ def play_role(
     return summary
 
 
-def resumed_line(plan: topology.Topology, resumed: dict, uses_replay: bool) -> str:
+def resumed_line(plan: topology.Topology, resumed: checkpoint.Checkpoint, uses_replay: bool) -> str:
     """What a resume restored, in one line; and what changed, when the checkpoint was
     written by another number of learners or replay shards."""
-    line = f"resumed from {resumed['folder']} at frame {resumed['frames']}, update {resumed['updates']}"
-    if resumed["changed"]:
-        line += f" ({', '.join(resumed['changed'])})"
+    line = f"resumed from {resumed.folder} at frame {resumed.frames}, update {resumed.updates}"
+    changes = resumed.changes(*plan.layout(uses_replay))
+    if changes:
+        line += f" ({', '.join(changes)})"
     if not uses_replay:
         return line
-    if not resumed["replay"]:
+    if not resumed.replay:
         return f"{line}; replay not restored (saved with checkpoint.replay=false): refilled before updating"
     sizes = [topology.handle(plan, rank, "replay").rpc_sync().stats()["size"] for rank in plan.shard_ranks]
-    saved = resumed["replay_shards"]
+    saved = resumed.replay_shards
     if saved != len(sizes):
         shards = "shard" if saved == 1 else "shards"
         return f"{line}; replay restored: {sum(sizes)} transitions from {saved} {shards} into {len(sizes)}"

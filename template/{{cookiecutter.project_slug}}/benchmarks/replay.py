@@ -30,9 +30,10 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict
 from torchrl.collectors import Collector
 
-from {{ cookiecutter.package_name }} import topology
+from {{ cookiecutter.package_name }}.distributed import topology
 from {{ cookiecutter.package_name }}.envs import EnvUnavailable, make_env
-from {{ cookiecutter.package_name }}.replay import NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay.frames import NEXT_OBSERVATION, OBSERVATION
 
 CAPACITY = 1_000_000
 ATARI_CAPACITY = 50_000  # per shard: the bytes per transition do not depend on it
@@ -107,8 +108,7 @@ def measure(client: ReplayClient, data: list[TensorDict], seconds: float) -> dic
     sampled, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         batch = client.sample()
-        batch["td_error"] = torch.rand(batch.shape)
-        client.update_priority(batch, "td_error")
+        client.update_priority(batch, torch.rand(batch.shape))
         sampled += batch.numel()
     client.flush()
     return {"extends_per_s": extend_rate, "samples_per_s": sampled / (time.perf_counter() - started)}
@@ -133,9 +133,7 @@ def workload(args, seed: int) -> list[TensorDict]:
 
 
 def make_shard(args, capacity: int, shard: int = 0) -> ReplayShard:
-    return ReplayShard(
-        min(capacity, ATARI_CAPACITY) if args.atari else capacity, ALPHA, BETA, "td_error", shard
-    )
+    return ReplayShard(min(capacity, ATARI_CAPACITY) if args.atari else capacity, ALPHA, BETA, shard)
 
 
 def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str, float]]:

@@ -1,4 +1,4 @@
-"""Stragglers benchmark: DD-PPO's preemption threshold against lockstep collection.
+"""Stragglers benchmark: DD-PPO's straggler threshold against lockstep collection.
 
     python benchmarks/stragglers.py                        # frames/s, collector.sync_frac=1 vs 0.6
     python benchmarks/stragglers.py --seeds 1 2 3          # also: learning with the threshold

@@ -22,7 +22,8 @@ from torchrl.collectors import Collector
 
 from {{ cookiecutter.package_name }} import recipes
 from {{ cookiecutter.package_name }}.envs import make_env
-from {{ cookiecutter.package_name }}.replay import NEXT_OBSERVATION, OBSERVATION, ReplayShard
+from {{ cookiecutter.package_name }}.replay import ReplayShard
+from {{ cookiecutter.package_name }}.replay.frames import NEXT_OBSERVATION, OBSERVATION
 
 PROJECT = Path(__file__).resolve().parents[1]
 # Two test modules run at a time, each with runs of their own: a process that spreads its
@@ -45,7 +46,7 @@ TINY = [
     "eval.every=2048",
     "eval.episodes=10",
     # On-policy learners in lockstep: these tests count frames and updates exactly
-    # (test_preemption.py runs the threshold that cuts rollouts short).
+    # (test_stragglers.py runs the threshold that cuts rollouts short).
     "collector.sync_frac=1",
     # One core per process, as for the test process itself (below).
     "threads=1",
@@ -160,7 +161,7 @@ def no_run_outlives_its_test():
 def learners_run(learners: int, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """A run of ``learners`` ranks that Fabric launches itself (`python train.py
     fabric.devices=N`): a process fewer than `fabric run`, whose launcher imports torch and
-    Lightning as a rank does. The fault, checkpoint and preemption tests run `fabric run`."""
+    Lightning as a rank does. The fault, checkpoint and straggler tests run `fabric run`."""
     command = [sys.executable, "train.py", f"fabric.devices={learners}", "fabric.accelerator=cpu"]
     return run_command([*command, "fabric.strategy=ddp", f"rpc.port={free_port()}", *overrides], timeout)
 
@@ -231,11 +232,11 @@ SMALL = [
 ATARI_SHORT = "env.kwargs.max_num_frames_per_episode=800"
 
 
-def replay_sample(run_dir: Path, priority_key: str) -> dict:
+def replay_sample(run_dir: Path) -> dict:
     """Four transitions from the run's replay shard, as its checkpoint restores it."""
     (folder,) = (run_dir / "checkpoints").glob("frames-*")
     cfg = OmegaConf.load(run_dir / "config.yaml")
-    shard = ReplayShard(cfg.replay.capacity, cfg.replay.alpha, cfg.replay.beta, priority_key)
+    shard = ReplayShard(cfg.replay.capacity, cfg.replay.alpha, cfg.replay.beta)
     shard.load(str(folder / "replay-0"))
     batch, *_ = shard.sample(4)
     return batch
@@ -249,7 +250,7 @@ def family_run(tmp_path: Path, recipe: str, env_id: str, *extra: str) -> tuple[d
     assert summary["updates"] > 0 and summary["eval_episodes"] == 2
     checksums = set(summary["learner_param_checksums"].values())
     assert len(checksums) == 1  # the learners stayed identical
-    return summary, replay_sample(tmp_path, recipes.load(recipe).Agent.priority_key)
+    return summary, replay_sample(tmp_path)
 
 
 def pendulum_agent_and_batch(recipe, batch_size: int = 32):
@@ -259,7 +260,7 @@ def pendulum_agent_and_batch(recipe, batch_size: int = 32):
     env = make_env("Pendulum-v1", num_envs=4, seed=0)
     agent = recipe.Agent(recipe.Config(hidden_sizes=[16], batch_size=batch_size), env)
     frames = collect_one_batch(env, agent.policy, 128).reshape(-1)
-    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4)
     shard.extend(frames.select(*agent.batch_keys))
     batch, _, _ = shard.sample(batch_size)
     return agent, frames, batch

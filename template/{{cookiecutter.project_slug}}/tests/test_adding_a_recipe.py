@@ -71,5 +71,14 @@ def test_the_guide_adds_a_recipe_that_trains_on_two_learners(tmp_path):
     tested = run([sys.executable, *shlex.split(pytest_run)[1:], "-p", "no:cacheprovider"], project)
     assert tested.returncode == 0, tested.stdout[-3000:]
     # One-process training, its RUN_DEFAULTS twice (the command line wins; config.yaml
-    # leaves them to it), its --help; the guide's fabric run did the rest.
-    assert re.search(r"\b4 passed\b", tested.stdout), tested.stdout[-500:]
+    # leaves them to it), an env of the other kind refused, --print-config's sources, its
+    # --help; the guide's fabric run did the rest.
+    assert re.search(r"\b6 passed\b", tested.stdout), tested.stdout[-500:]
+
+    # The same recipe without what happens after backward is refused when it loads.
+    start = code.index("    def optimizer_step(")
+    (project / target).write_text(code[:start].rstrip() + "\n")
+    refused = run([sys.executable, "train.py", "recipe=double_dqn", "--print-config"], project)
+    assert refused.returncode == 2 and refused.stdout == ""
+    expected = "error: recipe double_dqn: Agent has no optimizer_step (see docs/adding-a-recipe.md)\n"
+    assert refused.stderr == expected, refused.stderr

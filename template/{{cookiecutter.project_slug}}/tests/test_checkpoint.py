@@ -12,10 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }}.distributed.topology import LocalRef
 from {{ cookiecutter.package_name }}.envs import make_env
-from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
-from {{ cookiecutter.package_name }}.topology import LocalRef, Topology
+from {{ cookiecutter.package_name }}.replay import ReplayShard
 
 from .conftest import (
     RECIPES,
@@ -36,24 +36,21 @@ train = load_script("train")
 
 
 class OneLearner:
-    """What save_checkpoint needs of a one-process run: an agent, its optimizer, a shard."""
+    """What checkpoint.save needs of a one-process run: an agent, its optimizer, a shard."""
 
     def __init__(self, run_dir, keep: int = 2) -> None:
         self.cfg = config.load(
             [*tiny_overrides(REPLAY_RECIPE), f"run_dir={run_dir}", f"checkpoint.keep={keep}"], train.DEFAULTS
         )
-        recipe = recipes.load(REPLAY_RECIPE)
-        env = make_env(self.cfg.env.id, 2, seed=0)
-        self.agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(self.cfg.algo)), env)
+        self.agent = recipes.make_agent(recipes.load(REPLAY_RECIPE), self.cfg.algo, self.cfg.env, 2)
         self.optimizers = self.agent.make_optimizers()
-        self.shard = ReplayShard(100, 0.6, 0.4, self.agent.priority_key)
+        self.shard = ReplayShard(100, 0.6, 0.4)
+        env = make_env(self.cfg.env.id, 2, seed=0)
         self.shard.extend(env.rollout(8).reshape(-1).select(*self.agent.batch_keys))
-        self.replay = ReplayClient([LocalRef(self.shard)], batch_size=4, beta=0.4)
 
     def save(self, frames: int) -> None:
-        plan = Topology.plan(1, 0, 1, uses_replay=True)
-        args = (self.agent, self.optimizers, self.replay, plan, None, torch.device("cpu"))
-        learner.save_checkpoint(self.cfg, frames, frames // 10, *args)
+        meta = checkpoint.Meta.of_run(self.cfg, frames, frames // 10, learners=1, replay_shards=1)
+        checkpoint.save(self.cfg, meta, 0, self.agent, self.optimizers, [LocalRef(self.shard)], lambda: None)
 
 
 @needs_replay
@@ -67,17 +64,17 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, mo
         raise OSError("disk full")
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "write_meta", crash)
+        patch.setattr(checkpoint.Meta, "write", crash)
         with pytest.raises(OSError, match="disk full"):
             run.save(2048)
     # The half-written one is invisible; the previous one still loads and fits the run.
     assert checkpoint.latest(tmp_path) == first
     assert checkpoint.partial_dir(checkpoint.training_dir(tmp_path, 2048)).is_dir()
-    meta = checkpoint.check_resume(OmegaConf.merge(run.cfg, {"resume": str(tmp_path)}), 1, 1)
-    assert (meta["frames"], meta["updates"]) == (1024, 102)
+    meta = checkpoint.check_resume(OmegaConf.merge(run.cfg, {"resume": str(tmp_path)}))
+    assert (meta.frames, meta.updates) == (1024, 102)
     state = torch.load(first / "agent.pt", weights_only=True)
     run.agent.load_state_dict(state["agent"])
-    restored = ReplayShard(100, 0.6, 0.4, run.agent.priority_key)
+    restored = ReplayShard(100, 0.6, 0.4)
     restored.load(str(first / "replay-0"))
     assert restored.stats() == run.shard.stats()
 
@@ -89,7 +86,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, mo
 def trained_one_step(one: OneLearner) -> None:
     """One optimizer step, so the optimizer has a state (Adam: step, moments)."""
     batch, _, _ = one.shard.sample(4)
-    loss, _ = one.agent(batch.to(next(one.agent.parameters()).device))
+    loss, _, _ = one.agent(batch.to(next(one.agent.parameters()).device))
     loss.backward()
     for optimizer in one.optimizers.values():
         optimizer.step()
@@ -234,7 +231,7 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     killed.communicate(timeout=30)
     assert not (run_dir / "summary.json").exists(), "the run finished before it was killed"
     last = checkpoint.latest(run_dir)
-    saved_at = checkpoint.read_meta(last)["frames"]
+    saved_at = checkpoint.Meta.read(last).frames
     assert saved_at < 4608
 
     resumed = run_command(
@@ -267,8 +264,8 @@ def test_a_checkpoint_without_replay_resumes_with_empty_shards_and_refills_them(
     ]
     read_summary(run_command([sys.executable, "train.py", *overrides, "total_frames=2048"]))
     last = checkpoint.latest(run_dir)
-    meta = checkpoint.read_meta(last)
-    assert not list(last.glob("replay-*")) and meta["replay"] is False
+    meta = checkpoint.Meta.read(last)
+    assert not list(last.glob("replay-*")) and meta.replay is False
 
     resumed = run_command([sys.executable, "train.py", *overrides, "total_frames=4096", f"resume={run_dir}"])
     summary = read_summary(resumed)
@@ -276,4 +273,4 @@ def test_a_checkpoint_without_replay_resumes_with_empty_shards_and_refills_them(
     assert summary["replay_size"] == 2048  # only what the resumed run collected
     # No update until learning_starts (1024) more frames are in: the resumed run's steps of
     # 256 frames end at 2304, 2560, ..., 4096, and the last five make 4 updates each.
-    assert summary["updates"] == meta["updates"] + 5 * 4
+    assert summary["updates"] == meta.updates + 5 * 4

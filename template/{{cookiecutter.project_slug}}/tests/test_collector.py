@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
+
+import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from {{ cookiecutter.package_name }}.collector import POLICY_VERSION, make_collector
+from {{ cookiecutter.package_name }}.collector import POLICY_VERSION, CollectorFailed, make_collector, next_batch
 
 
 def collector_config(mode: str, num_envs: int = 4, frames_per_batch: int = 200):
@@ -67,7 +70,7 @@ def test_random_frames_act_at_random_then_the_policy_acts():
 
 
 def test_a_collector_on_the_cpu_names_no_device():
-    """A named device makes torchrl cast every step's tensordict (README, "The data path")."""
+    """A named device makes torchrl cast every step's tensordict (docs/distributed.md, "The data path")."""
     policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
     collector = make_collector(
         collector_config("sync"), policy, seed=7, total_frames=200, device=torch.device("cpu")
@@ -111,3 +114,28 @@ def test_async_collector_acts_with_the_weights_pushed_to_it():
         assert (batch[POLICY_VERSION] == 1).all() and (batch["action"].argmax(-1) == 1).all()
     finally:
         collector.shutdown()
+
+
+class WrongShape(nn.Module):
+    """A recipe's shape bug: a layer sized for 3 features on CartPole's 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 2)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.layer(observation)
+
+
+def test_an_error_in_the_policy_keeps_its_own_message_and_line():
+    """Only a dead collector process is reported as one: a policy that fails in the
+    learner's own process (sync mode) raises its own error, with its traceback."""
+    policy = TensorDictModule(WrongShape(), in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("sync"), policy, seed=0, total_frames=400, device=torch.device("cpu")
+    )
+    with pytest.raises(RuntimeError, match="mat1 and mat2") as raised:
+        next_batch(collector, iter(collector), "rank 0 (learner)")
+    collector.shutdown()
+    assert not isinstance(raised.value, CollectorFailed)
+    assert "return self.layer(observation)" in [frame.line for frame in traceback.extract_tb(raised.tb)]

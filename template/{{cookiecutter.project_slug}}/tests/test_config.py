@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import config, recipes
-from {{ cookiecutter.package_name }}.topology import Topology, cpus_per_rank
+from {{ cookiecutter.package_name }}.distributed.topology import Topology, cpus_per_rank
 
 from .conftest import PROJECT, REPLAY_RECIPE, load_script, needs_replay
 
@@ -29,14 +29,56 @@ def test_an_env_id_with_a_slash_names_one_run_folder():
     assert cfg.run_dir == f"runs/{cfg.recipe}-MinAtar-Breakout-v1-seed2"
 
 
+# Classic-control envs of each kind of action space, and one of the other kind.
+ANOTHER_ENV = {"discrete": "Acrobot-v1", "continuous": "MountainCarContinuous-v0"}
+WRONG_ENV = {"discrete": ("Pendulum-v1", "continuous actions (1 dimension)"),
+             "continuous": ("CartPole-v1", "2 discrete actions")}  # fmt: skip
+# An env id of each family, for the recipes' FAMILY_DEFAULTS.
+FAMILY_ENVS = {"atari": "ALE/Pong-v5", "minatar": "MinAtar/Breakout-v1", "mujoco": "Hopper-v5"}
+
+
 @pytest.mark.parametrize("recipe", recipes.available())
 def test_each_recipe_brings_its_run_defaults_and_the_command_line_wins(recipe):
-    defaults = recipes.load(recipe).RUN_DEFAULTS
+    module = recipes.load(recipe)
+    defaults = module.RUN_DEFAULTS
     cfg = config.load([f"recipe={recipe}"], train.DEFAULTS)
     assert (cfg.env.id, cfg.total_frames) == (defaults["env"]["id"], defaults["total_frames"])
     assert cfg.collector.frames_per_batch == defaults["collector"]["frames_per_batch"]
-    cfg = config.load([f"recipe={recipe}", "env.id=Acrobot-v1", "total_frames=77"], train.DEFAULTS)
-    assert (cfg.env.id, cfg.total_frames) == ("Acrobot-v1", 77)
+    other = ANOTHER_ENV[module.Agent.action_spaces[0]]
+    cfg = config.load([f"recipe={recipe}", f"env.id={other}", "total_frames=77"], train.DEFAULTS)
+    assert (cfg.env.id, cfg.total_frames) == (other, 77)
+
+
+@pytest.mark.parametrize("recipe", recipes.available())
+def test_an_env_with_actions_the_recipe_does_not_fit_is_one_error_line(capsys, recipe):
+    spaces = recipes.load(recipe).Agent.action_spaces
+    if len(spaces) > 1:
+        pytest.skip(f"{recipe} fits both kinds of action spaces")
+    env_id, actions = WRONG_ENV[spaces[0]]
+    assert train.main([f"recipe={recipe}", f"env.id={env_id}", "--print-config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"error: recipe {recipe} needs {spaces[0]} actions; {env_id} has {actions}\n"
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("recipe", recipes.available())
+def test_print_config_says_where_each_value_came_from(capsys, recipe):
+    module = recipes.load(recipe)
+    field = dataclasses.fields(module.Config)[0].name  # left at the Config's default below
+    assert train.main([f"recipe={recipe}", "seed=5", "--print-config"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"recipe: {recipe}  # command line" in lines and "seed: 5  # command line" in lines
+    assert "log_every: 5000" in lines  # config.yaml's: no comment
+    assert f"total_frames: {module.RUN_DEFAULTS['total_frames']}  # {recipe}" in lines
+    assert "  batches_per_request: 4  # default in config.py" in lines
+    assert any(line.startswith(f"  {field}:") and line.endswith(f"# {recipe} Config") for line in lines)
+    for family, defaults in getattr(module, "FAMILY_DEFAULTS", {}).items():
+        pytest.importorskip({"atari": "ale_py", "minatar": "minatar", "mujoco": "mujoco"}[family])
+        assert train.main([f"recipe={recipe}", f"env.id={FAMILY_ENVS[family]}", "--print-config"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        frames = defaults["collector"]["frames_per_batch"]
+        assert f"  frames_per_batch: {frames}  # {recipe}, {family} family" in lines
+        assert f"  id: {FAMILY_ENVS[family]}  # command line" in lines
 
 
 @pytest.mark.parametrize("recipe", recipes.available())

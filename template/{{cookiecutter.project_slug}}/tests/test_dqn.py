@@ -20,19 +20,19 @@ train = load_script("train")
 evaluate = load_script("evaluate")
 
 
-def test_loss_writes_priorities_and_the_update_reaches_the_collector_policy():
+def test_loss_returns_priorities_and_the_update_reaches_the_collector_policy():
     torch.manual_seed(0)
     env = make_env("CartPole-v1", num_envs=4, seed=0)
     agent = dqn.Agent(dqn.Config(hidden_sizes=[16], batch_size=16), env)
     frames = collect_one_batch(env, agent.policy, 64).reshape(-1)
     assert frames.batch_size == torch.Size([64])
 
-    shard = ReplayShard(1000, alpha=0.6, beta=0.4, priority_key=agent.priority_key)
+    shard = ReplayShard(1000, alpha=0.6, beta=0.4)
     shard.extend(frames.select(*agent.batch_keys))
     batch, _, _ = shard.sample(16)
-    loss, metrics = agent(batch)
+    loss, priorities, metrics = agent(batch)
     assert loss.ndim == 0 and torch.isfinite(loss)
-    assert batch[agent.priority_key].numel() == 16
+    assert priorities.numel() == 16 and (priorities >= 0).all()
 
     probe = frames[:4].select("observation")  # one row per env copy, as the policy expects
     before = agent.policy(probe.clone())["action_value"].detach()
@@ -61,16 +61,7 @@ def test_atari_fetches_a_collector_steps_batches_in_one_request_and_the_command_
     assert overridden.replay.batches_per_request == 2
 
 
-def test_epsilon_anneals_by_frames():
-    env = make_env("CartPole-v1", num_envs=2, seed=0)
-    agent = dqn.Agent(dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=100), env)
-    agent.after_collect(None, 50)
-    assert abs(agent.exploration.eps.item() - 0.55) < 1e-5
-    agent.after_collect(None, 1000)
-    assert abs(agent.exploration.eps.item() - 0.1) < 1e-6
-
-
-def test_epsilon_anneals_in_closed_form_and_checkpoints_keep_it():
+def test_epsilon_anneals_by_frames_in_closed_form_and_checkpoints_keep_it():
     env = make_env("CartPole-v1", num_envs=2, seed=0)
     config = dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=10**12)
     agent = dqn.Agent(config, env)
@@ -80,6 +71,8 @@ def test_epsilon_anneals_in_closed_form_and_checkpoints_keep_it():
     resumed = dqn.Agent(config, env)
     resumed.load_state_dict(agent.state_dict())
     assert resumed.exploration.eps.item() == agent.exploration.eps.item()
+    agent.after_collect(None, 10**13)  # past eps_frames: it stays at eps_end
+    assert abs(agent.exploration.eps.item() - 0.1) < 1e-6
 
 
 @pytest.mark.slow
@@ -112,8 +105,7 @@ def test_dqn_on_minatar_on_two_learners_keeps_uint8_channels_first(tmp_path):
 def test_atari_evaluation_records_a_video_of_the_game(tmp_path):
     overrides = ["recipe=dqn", "env.id=ALE/Pong-v5", ATARI_SHORT, f"run_dir={tmp_path}"]
     cfg = config.load(overrides, train.DEFAULTS)
-    recipe = recipes.load("dqn")
-    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env, 1, seed=0))
+    agent = recipes.make_agent(recipes.load("dqn"), cfg.algo, cfg.env)
     checkpoint.save_agent(tmp_path / checkpoint.FINAL, cfg, agent)
     assert evaluate.main([f"checkpoint={tmp_path}", "episodes=1", "video=true"]) == 0
     (video,) = (tmp_path / "videos").glob("*.mp4")

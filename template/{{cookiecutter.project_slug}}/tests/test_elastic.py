@@ -13,16 +13,12 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, topology
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }}.distributed import topology
 from {{ cookiecutter.package_name }}.envs import make_env
-from {{ cookiecutter.package_name }}.replay import (
-    FRAMES,
-    NEXT_OBSERVATION,
-    OBSERVATION,
-    ReplayClient,
-    ReplayShard,
-    stored_priorities,
-)
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay.frames import FRAMES, NEXT_OBSERVATION, OBSERVATION
+from {{ cookiecutter.package_name }}.replay.sampler_trees import EPS, stored_priorities
 
 from .conftest import (
     RECIPES,
@@ -79,7 +75,7 @@ def assert_same_priorities(after: dict[int, float], before: dict[int, float]) ->
 def restored(folders: list[Path], parts: int, capacity: int, **options) -> list[ReplayShard]:
     """The shards a run with ``parts`` replay shards makes of ``folders``."""
     size = math.ceil(capacity / parts)
-    shards = [ReplayShard(size, ALPHA, BETA, "td_error", shard=i, **options) for i in range(parts)]
+    shards = [ReplayShard(size, ALPHA, BETA, shard=i, **options) for i in range(parts)]
     for part, shard in enumerate(shards):
         shard.restore(folders, part, parts)
     return shards
@@ -87,7 +83,7 @@ def restored(folders: list[Path], parts: int, capacity: int, **options) -> list[
 
 def test_the_shards_priorities_are_read_back_as_they_were_set():
     # stored_priorities reads torchrl's private sum tree: this pins what it reads.
-    shard = ReplayShard(100, ALPHA, BETA, "td_error")
+    shard = ReplayShard(100, ALPHA, BETA)
     shard.extend(cartpole_transitions(64))
     priorities = torch.cat([torch.linspace(1e-6, 30.0, 63), torch.zeros(1)])
     shard.buffer.update_priority(torch.arange(64), priorities)
@@ -99,7 +95,7 @@ def test_the_shards_priorities_are_read_back_as_they_were_set():
 def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_path, saved, parts):
     capacity = 300  # all shards together; the saved ones are full and have wrapped
     size = math.ceil(capacity / saved)
-    shards = [ReplayShard(size, ALPHA, BETA, "td_error", shard=i) for i in range(saved)]
+    shards = [ReplayShard(size, ALPHA, BETA, shard=i) for i in range(saved)]
     client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=16, beta=BETA)
     transitions = cartpole_transitions(480)
     for batch in transitions.split(40):
@@ -107,8 +103,7 @@ def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_
     client.flush()
     for _ in range(10):  # priorities of every kind, as training leaves them
         sample = client.sample()
-        sample["td_error"] = torch.rand(len(sample)) * 5
-        client.update_priority(sample, "td_error")
+        client.update_priority(sample, torch.rand(len(sample)) * 5)
     client.flush()
     for shard in shards:
         shard.stale_updates = 3 + shard.shard  # counters that are totals over the shards
@@ -127,9 +122,13 @@ def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_
         # Oldest first in each new shard: the next writes overwrite the oldest, as before.
         for shard in again:
             assert shard.buffer[:][STEP_ID].diff().gt(0).all()
-    # The weights of a batch across the new shards are those of one buffer with everything.
-    batch, _, _ = again[0].sample(16)
-    assert torch.isfinite(batch["priority_weight"]).all()
+    # The weights of a batch drawn across the new shards are those one buffer holding
+    # everything gives: (p_i / p_min) ** -beta over the transformed priorities of all.
+    batch = ReplayClient([topology.LocalRef(shard) for shard in again], batch_size=64, beta=BETA).sample()
+    mass = {step: (priority + EPS) ** ALPHA for step, priority in after.items()}
+    lowest = min(mass.values())
+    expected = torch.tensor([(mass[step] / lowest) ** -BETA for step in batch[STEP_ID].tolist()])
+    torch.testing.assert_close(batch["priority_weight"], expected, rtol=1e-4, atol=1e-6)
 
 
 def stacks(shard: ReplayShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -144,7 +143,7 @@ def stacks(shard: ReplayShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 @pytest.mark.parametrize(("capacity", "parts"), [(1000, 2), (1000, 3), (120, 2), (100, 3)])
 def test_stacked_frames_go_with_their_transitions_to_another_shard_count(tmp_path, capacity, parts):
     batches = pong_batches()
-    (shard,) = [ReplayShard(capacity, ALPHA, BETA, "td_error", storage="memmap", directory=tmp_path / "s")]
+    (shard,) = [ReplayShard(capacity, ALPHA, BETA, storage="memmap", directory=tmp_path / "s")]
     client = ReplayClient([topology.LocalRef(shard)], batch_size=16, beta=BETA)
     for batch in batches:
         client.extend(batch)
@@ -186,14 +185,14 @@ def test_stacked_frames_go_with_their_transitions_to_another_shard_count(tmp_pat
 def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
     cfg = config.load([*tiny_overrides(REPLAY_RECIPE), f"run_dir={tmp_path}"], train.DEFAULTS)
     recipe = recipes.load(REPLAY_RECIPE)
-    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
-    shards = [ReplayShard(100, ALPHA, BETA, agent.priority_key, shard=i) for i in range(2)]
+    agent = recipes.make_agent(recipe, cfg.algo, cfg.env, 2)
+    shards = [ReplayShard(100, ALPHA, BETA, shard=i) for i in range(2)]
     client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=4, beta=BETA)
     for batch in cartpole_transitions(64).select(*agent.batch_keys).split(16):
         client.extend(batch)
-    plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
+    meta = checkpoint.Meta.of_run(cfg, 1024, 10, learners=1, replay_shards=2)
+    checkpoint.save(cfg, meta, 0, agent, agent.make_optimizers(), client.shards, lambda: None)
     cpu = torch.device("cpu")
-    learner.save_checkpoint(cfg, 1024, 10, agent, agent.make_optimizers(), client, plan, None, cpu)
 
     # Refused before: learners and replay shards now change freely; the recipe and env do not.
     resume = [*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", f"run_dir={tmp_path}", "--print-config"]
@@ -201,19 +200,20 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
     assert train.main([*resume, "env.id=Acrobot-v1"]) == 2
     assert "is a checkpoint of recipe" in capsys.readouterr().err
 
-    resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}), 3, 1)
-    assert resumed["changed"] == ["learners 1 -> 3", "replay shards 2 -> 1"]
-    folder = Path(resumed["folder"])
-    one = ReplayShard(200, ALPHA, BETA, agent.priority_key)
+    resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}))
+    assert resumed.changes(learners=3, shards=1) == ["learners 1 -> 3", "replay shards 2 -> 1"]
+    folder = resumed.folder
+    one = ReplayShard(200, ALPHA, BETA)
     one.restore([folder / "replay-0", folder / "replay-1"], 0, 1)
     topology.host("replay", one)
     assert one.stats()["size"] == 64
+    # One process, one shard: the line names what changed from the checkpoint's two.
+    plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
     line = train.resumed_line(plan, resumed, uses_replay=True)
-    changed = "(learners 1 -> 3, replay shards 2 -> 1)"
-    assert line.endswith(f"{changed}; replay restored: 64 transitions from 2 shards into 1")
+    assert line.endswith("(replay shards 2 -> 1); replay restored: 64 transitions from 2 shards into 1")
 
     # A learner the checkpoint had no generators for seeds its own.
-    again = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
+    again = recipes.make_agent(recipe, cfg.algo, cfg.env, 2)
     draws = []
     for _ in range(2):
         checkpoint.restore_learner(folder, 2, again, again.make_optimizers(), cpu, fresh_seed=7)
@@ -230,15 +230,14 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
     first = learners_run(2, *overrides, "replay.ranks=1")
     assert read_summary(first)["frames_collected"] == 384
     folder = checkpoint.latest(run_dir)
-    meta = checkpoint.read_meta(folder)
-    assert (meta["frames"], meta["learners"], meta["replay_shards"]) == (384, 2, 1)
+    meta = checkpoint.Meta.read(folder)
+    assert (meta.frames, meta.learners, meta.replay_shards) == (384, 2, 1)
 
     # The shards the resumed run's replay processes make of the checkpoint: every transition
     # once, with the priority it had.
-    priority_key = recipes.load(REPLAY_RECIPE).Agent.priority_key
-    saved = ReplayShard(2000, ALPHA, BETA, priority_key)
+    saved = ReplayShard(2000, ALPHA, BETA)
     saved.load(str(folder / "replay-0"))
-    dealt = [ReplayShard(1000, ALPHA, BETA, priority_key, shard=i) for i in range(2)]
+    dealt = [ReplayShard(1000, ALPHA, BETA, shard=i) for i in range(2)]
     for part, shard in enumerate(dealt):
         shard.restore([folder / "replay-0"], part, 2)
     assert [shard.stats()["size"] for shard in dealt] == [192, 192]
@@ -254,7 +253,7 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
     assert summary["replay_size"] == 768  # what was saved, and each new frame once
     # Each learner writes to the shards in turn, starting from its own: 6 x 32 frames each.
     assert summary["replay_shard_sizes"] == [192 + 192, 192 + 192]
-    assert summary["updates"] == meta["updates"] + 4 * 2
+    assert summary["updates"] == meta.updates + 4 * 2
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert all(rollouts["frames"] == 4 * 32 for rollouts in summary["learner_rollouts"].values())
 
@@ -278,16 +277,16 @@ def test_an_on_policy_run_resumes_on_more_learners(tmp_path):
     overrides = [*tiny_overrides("ppo"), "checkpoint.every=1024", f"run_dir={run_dir}"]
     read_summary(learners_run(2, *overrides, "total_frames=1024"))
     folder = checkpoint.latest(run_dir)
-    meta = checkpoint.read_meta(folder)
-    assert (meta["learners"], meta["replay_shards"]) == (2, 0)
+    meta = checkpoint.Meta.read(folder)
+    assert (meta.learners, meta.replay_shards) == (2, 0)
     assert sorted(path.name for path in folder.glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
 
     # One step of 3 x 256 frames: 1024 to 1792; 2 epochs of 2 minibatches each.
     resumed = learners_run(3, *overrides, "total_frames=1792", f"resume={run_dir}")
     summary = read_summary(resumed)
-    line = f"resumed from {folder} at frame 1024, update {meta['updates']} (learners 2 -> 3)"
+    line = f"resumed from {folder} at frame 1024, update {meta.updates} (learners 2 -> 3)"
     assert line in resumed.stderr
     assert summary["frames_collected"] == 1792
-    assert summary["updates"] == meta["updates"] + 4
+    assert summary["updates"] == meta.updates + 4
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert [rollouts["frames"] for rollouts in summary["learner_rollouts"].values()] == [256] * 3

@@ -6,10 +6,8 @@ import json
 import statistics
 
 import pytest
-from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import checkpoint, config, recipes
-from {{ cookiecutter.package_name }}.envs import make_env
 
 from .conftest import load_script
 
@@ -20,8 +18,7 @@ evaluate = load_script("evaluate")
 @pytest.fixture
 def run_dir(tmp_path):
     cfg = config.load([f"run_dir={tmp_path}", "algo.hidden_sizes=[16]"], train.DEFAULTS)
-    recipe = recipes.load(cfg.recipe)
-    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
+    agent = recipes.make_agent(recipes.load(cfg.recipe), cfg.algo, cfg.env, 2)
     checkpoint.save_agent(tmp_path / checkpoint.FINAL, cfg, agent)
     return tmp_path
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from {{ cookiecutter.package_name }} import checkpoint
-from {{ cookiecutter.package_name }}.topology import Topology
+from {{ cookiecutter.package_name }}.distributed.topology import Topology
 
 from .conftest import (
     RECIPES,
@@ -235,7 +235,7 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, mode):
     assert 0 < summary["frames_collected"] < 10_000_000
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert (run_dir / "checkpoints" / "final.pt").is_file()
-    assert checkpoint.read_meta(checkpoint.latest(run_dir))["frames"] == summary["frames_collected"]
+    assert checkpoint.Meta.read(checkpoint.latest(run_dir)).frames == summary["frames_collected"]
     if REPLAY_RECIPE is not None:
         # Every frame counted is in replay, once: none was in flight, none went missing.
         assert summary["replay_size"] == summary["frames_collected"]

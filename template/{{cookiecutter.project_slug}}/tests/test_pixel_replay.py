@@ -10,9 +10,10 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from {{ cookiecutter.package_name }} import checkpoint, config, learner, recipes, replay, topology
-from {{ cookiecutter.package_name }}.collector import make_env
-from {{ cookiecutter.package_name }}.replay import FRAMES, NEXT_OBSERVATION, OBSERVATION, ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes, replay
+from {{ cookiecutter.package_name }}.distributed import topology
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay.frames import FRAMES, NEXT_OBSERVATION, OBSERVATION
 
 from .conftest import (
     REPLAY_RECIPE,
@@ -38,9 +39,7 @@ def batches() -> list[TensorDict]:
 def filled(
     batches, shard_count: int = 1, capacity: int = 1000, **shard_options
 ) -> tuple[list[ReplayShard], ReplayClient]:
-    shards = [
-        ReplayShard(capacity, 0.6, 0.4, "td_error", shard=i, **shard_options) for i in range(shard_count)
-    ]
+    shards = [ReplayShard(capacity, 0.6, 0.4, shard=i, **shard_options) for i in range(shard_count)]
     client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=64, beta=0.4)
     for batch in batches:
         client.extend(batch)
@@ -102,11 +101,18 @@ def test_transitions_whose_frames_were_overwritten_are_never_sampled(batches):
         assert torch.equal(sample[OBSERVATION], truth[sample[STEP_ID]][OBSERVATION])
 
 
+def shared_memory_in(monkeypatch, folder) -> None:
+    """Reply slots in ``folder``, not /dev/shm: where the client makes them, and where a
+    shard accepts them."""
+    for module in (replay.client, replay.shard):
+        monkeypatch.setattr(module, "SHARED_MEMORY", folder)
+
+
 def test_frames_through_shared_memory_are_the_envs_own_and_stay_for_a_request(batches, tmp_path, monkeypatch):
     # A folder of this test's own, so that the check for files left behind sees no other
     # test's: the slots are mapped files wherever they live (/dev/shm keeps them in memory).
-    monkeypatch.setattr(replay, "SHARED_MEMORY", tmp_path)
-    shard = ReplayShard(1000, 0.6, 0.4, "td_error")
+    shared_memory_in(monkeypatch, tmp_path)
+    shard = ReplayShard(1000, 0.6, 0.4)
     client = ReplayClient(
         [topology.LocalRef(shard)], batch_size=16, beta=0.4, batches_per_request=2, share_frames=True
     )
@@ -131,8 +137,8 @@ def test_frames_through_shared_memory_are_the_envs_own_and_stay_for_a_request(ba
 
 
 def test_without_shared_memory_the_frames_come_in_the_replies(batches, tmp_path, monkeypatch):
-    monkeypatch.setattr(replay, "SHARED_MEMORY", tmp_path / "absent")
-    shard = ReplayShard(1000, 0.6, 0.4, "td_error")
+    shared_memory_in(monkeypatch, tmp_path / "absent")
+    shard = ReplayShard(1000, 0.6, 0.4)
     client = ReplayClient([topology.LocalRef(shard)], batch_size=16, beta=0.4, share_frames=True)
     for batch in batches:
         client.extend(batch)
@@ -144,7 +150,7 @@ def test_without_shared_memory_the_frames_come_in_the_replies(batches, tmp_path,
     assert client.slots == {} and shard.readers == {}
     # A shard on another machine does not find a learner's slots, and says so; it maps
     # nothing outside shared memory.
-    assert not shard.attach("elsewhere", [str(replay.SHARED_MEMORY / "slot-0")], 1024)
+    assert not shard.attach("elsewhere", [str(replay.shard.SHARED_MEMORY / "slot-0")], 1024)
     with pytest.raises(ValueError, match="reply slots must be files in"):
         shard.attach("elsewhere", [str(tmp_path / "slot-0")], 1024)
 
@@ -165,7 +171,7 @@ def sample_over_rpc(rank: int, ports: tuple[int, int], result: dict) -> None:
     if plan.role == topology.LEARNER:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=0, world_size=1)
     else:
-        topology.host("replay", ReplayShard(1000, 0.6, 0.4, "td_error", shard=rank - 1))
+        topology.host("replay", ReplayShard(1000, 0.6, 0.4, shard=rank - 1))
     batches = pong_batches() if plan.role == topology.LEARNER else None
     topology.connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
     if plan.role == topology.LEARNER:
@@ -226,18 +232,16 @@ train = load_script("train")
 def test_a_checkpoint_with_pixels_keeps_the_replay_or_says_it_did_not(batches, tmp_path, keep_replay):
     overrides = [*tiny_overrides(REPLAY_RECIPE), f"run_dir={tmp_path}", f"checkpoint.replay={keep_replay}"]
     cfg = config.load(overrides, train.DEFAULTS)
-    recipe = recipes.load(REPLAY_RECIPE)
-    agent = recipe.Agent(recipe.Config(**OmegaConf.to_container(cfg.algo)), make_env(cfg.env.id, 2, seed=0))
+    agent = recipes.make_agent(recipes.load(REPLAY_RECIPE), cfg.algo, cfg.env, 2)
     (shard,), client = filled(batches)
-    plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
-    learner.save_checkpoint(
-        cfg, 1024, 10, agent, agent.make_optimizers(), client, plan, None, torch.device("cpu")
-    )
+    meta = checkpoint.Meta.of_run(cfg, 1024, 10, learners=1, replay_shards=1)
+    checkpoint.save(cfg, meta, 0, agent, agent.make_optimizers(), client.shards, lambda: None)
 
-    resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}), 1, 1)
-    assert resumed["replay"] is keep_replay
+    plan = topology.Topology.plan(1, 0, 1, uses_replay=True)
+    resumed = checkpoint.check_resume(OmegaConf.merge(cfg, {"resume": str(tmp_path)}))
+    assert resumed.replay is keep_replay
     assert (checkpoint.latest(tmp_path) / "replay-0").exists() is keep_replay
-    again = ReplayShard(1000, 0.6, 0.4, "td_error")
+    again = ReplayShard(1000, 0.6, 0.4)
     topology.host("replay", again)
     if keep_replay:
         again.load(str(checkpoint.latest(tmp_path) / "replay-0"))

@@ -46,16 +46,19 @@ def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
     agent, batch = make_agent_and_batch()
     agent.after_collect(batch, frames=160)
     minibatch = batch.reshape(-1)[:64]
-    loss, metrics = agent(minibatch)
+    loss, priorities, metrics = agent(minibatch)
+    assert priorities is None  # nothing is replayed
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert set(metrics) == {"loss_objective", "loss_critic", "entropy"}
 
     probe = minibatch[:4].select("observation")
     before = agent.policy(probe.clone())["logits"].detach()
     critic_before = agent.critic(probe.clone())["state_value"].detach()
-    (optimizer,) = agent.make_optimizers().values()
+    optimizers = agent.make_optimizers()
     loss.backward()
-    optimizer.step()
+    agent.optimizer_step(optimizers, 1)  # the gradients' norm clipped, then Adam steps
+    norm = torch.stack([p.grad.norm() for p in agent.parameters() if p.grad is not None]).norm()
+    assert norm <= agent.cfg.max_grad_norm + 1e-6
     assert not torch.allclose(before, agent.policy(probe.clone())["logits"].detach())
     assert not torch.allclose(critic_before, agent.critic(probe.clone())["state_value"].detach())
 

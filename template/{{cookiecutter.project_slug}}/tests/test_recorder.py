@@ -5,11 +5,9 @@ from __future__ import annotations
 import io
 import math
 
-from lightning_fabric import Fabric
-
 from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }}.distributed.topology import Topology
 from {{ cookiecutter.package_name }}.recorder import Recorder
-from {{ cookiecutter.package_name }}.topology import Topology
 
 from .conftest import load_script
 
@@ -18,9 +16,8 @@ train = load_script("train")
 
 def make_recorder(tmp_path, stream: io.StringIO, *overrides: str, learners: int = 1) -> Recorder:
     cfg = config.load([f"run_dir={tmp_path}", "total_frames=1000", *overrides], train.DEFAULTS)
-    fabric = Fabric(accelerator="cpu", devices=1, loggers=train.make_loggers(cfg))
     plan = Topology.plan(learners=learners, rank=0, replay_ranks=1, uses_replay=True)
-    return Recorder(fabric, cfg, plan, progress_stream=stream)
+    return Recorder(cfg, plan, progress_stream=stream)
 
 
 def test_progress_bar_shows_frames_rates_and_returns(tmp_path):

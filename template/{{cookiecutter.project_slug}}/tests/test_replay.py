@@ -12,8 +12,7 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 
-from {{ cookiecutter.package_name }}.replay import GENERATION, SHARD, WEIGHT, ReplayClient, ReplayShard
-from {{ cookiecutter.package_name }}.topology import (
+from {{ cookiecutter.package_name }}.distributed.topology import (
     LocalRef,
     Topology,
     bind_to_loopback_unless_named,
@@ -22,6 +21,9 @@ from {{ cookiecutter.package_name }}.topology import (
     handle,
     host,
 )
+from {{ cookiecutter.package_name }}.learner import NonFinite, checked_priorities
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay.shard import GENERATION, SHARD, WEIGHT
 
 from .conftest import free_port
 
@@ -33,7 +35,7 @@ def transitions(start: int, count: int) -> TensorDict:
 
 
 def make_shards(count: int, capacity: int = 1000) -> list[ReplayShard]:
-    return [ReplayShard(capacity, ALPHA, BETA, "td_error", shard=shard) for shard in range(count)]
+    return [ReplayShard(capacity, ALPHA, BETA, shard=shard) for shard in range(count)]
 
 
 def client_of(shards: list[ReplayShard], batch_size: int = 32, **kwargs) -> ReplayClient:
@@ -91,8 +93,7 @@ def test_four_concurrent_writers_over_two_shards_lose_nothing():
 def favour(client: ReplayClient, batch, key: str, value: float) -> None:
     """Send priorities for ``batch`` that give the rows where ``key`` is ``value`` nearly
     all the mass."""
-    batch["td_error"] = torch.where(batch[key] == value, 1e6, 1e-6)
-    client.update_priority(batch, "td_error")
+    client.update_priority(batch, torch.where(batch[key] == value, 1e6, 1e-6))
     client.flush()
 
 
@@ -132,13 +133,17 @@ def test_priority_update_for_an_overwritten_slot_is_dropped():
     assert share_of(client, "index", slot) < 0.1
 
 
-def test_a_shard_refuses_non_finite_priorities():
-    (shard,), client, batch = filled(1, capacity=100)
-    mass = shard.sample(0)[1:]
-    batch["td_error"] = torch.full((batch.numel(),), float("nan"))
-    with pytest.raises(ValueError, match="refusing non-finite priorities"):
-        shard.update_priority(batch.select("index", GENERATION, "td_error"))
-    assert shard.sample(0)[1:] == mass  # the sum tree did not change
+def test_a_learner_stops_at_non_finite_priorities_before_they_reach_a_shard():
+    """One NaN in a shard's sum tree and every later sample is garbage: the learner checks
+    each update's priorities (with its loss) before it steps or sends them."""
+    loss = torch.tensor(0.5)
+    priorities = torch.tensor([1.0, 2.0])
+    assert torch.equal(checked_priorities(loss, priorities, "frame 1, update 1"), priorities)
+    assert checked_priorities(loss, None, "frame 1, update 1") is None  # on-policy: no priorities
+    with pytest.raises(NonFinite, match=r"^non-finite priorities at frame 7, update 3$"):
+        checked_priorities(loss, torch.tensor([1.0, float("nan")]), "frame 7, update 3")
+    with pytest.raises(NonFinite, match=r"^non-finite loss \(inf\) at frame 7, update 3$"):
+        checked_priorities(torch.tensor(float("inf")), priorities, "frame 7, update 3")
 
 
 def test_sampling_across_shards_matches_one_buffer_with_the_same_contents():
@@ -158,9 +163,7 @@ def test_sampling_across_shards_matches_one_buffer_with_the_same_contents():
         start += size
     ids, priorities = torch.cat(ids), torch.cat(priorities)
 
-    one_buffer = TensorDictPrioritizedReplayBuffer(
-        alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(100), priority_key="td_error"
-    )
+    one_buffer = TensorDictPrioritizedReplayBuffer(alpha=ALPHA, beta=BETA, storage=LazyTensorStorage(100))
     one_buffer.extend(transitions(0, len(ids)))
     one_buffer.update_priority(torch.arange(len(ids)), priorities)
     reference = one_buffer.sample(20_000)
@@ -196,7 +199,7 @@ def surface_a_remote_error(rank: int, ports: tuple[int, int], result: dict) -> N
     if plan.role == "learner":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=0, world_size=1)
     else:
-        host("replay", ReplayShard(100, ALPHA, BETA, "td_error"))
+        host("replay", ReplayShard(100, ALPHA, BETA))
     connect(plan, "127.0.0.1", ports[1], timeout_s=60, collective_timeout_s=60)
     if plan.role == "learner":
         client = ReplayClient([handle(plan, 1, "replay")], batch_size=8, beta=BETA)

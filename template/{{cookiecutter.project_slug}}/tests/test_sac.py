@@ -18,12 +18,12 @@ def test_actions_stay_within_the_action_space():
     assert frames["action"].std() > 0.1  # the collector samples: it explores
 
 
-def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities():
+def test_one_update_trains_actor_critics_and_temperature_and_returns_priorities():
     agent, frames, batch = pendulum_agent_and_batch(sac)
-    loss, metrics = agent(batch)
+    loss, priorities, metrics = agent(batch)
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert set(metrics) == {"loss_actor", "loss_qvalue", "alpha", "entropy"}
-    assert batch[agent.priority_key].shape == (32,)
+    assert priorities.shape == (32,) and (priorities >= 0).all()
 
     # The temperature is a registered parameter, so DDP all-reduces its gradient like the
     # networks' and it stays the same on every learner.
@@ -37,8 +37,7 @@ def test_one_update_trains_actor_critics_and_temperature_and_writes_priorities()
     rates = {name: optimizer.param_groups[0]["lr"] for name, optimizer in optimizers.items()}
     assert rates == {"actor": agent.cfg.lr, "critics": agent.cfg.q_lr, "alpha": agent.cfg.q_lr}
     loss.backward()
-    for name in agent.optimizers_to_step(1):
-        optimizers[name].step()
+    agent.optimizer_step(optimizers, 1)
     changed = {name for name, value in parameters.items() if not torch.equal(value, before[name])}
     assert "loss_module.log_alpha" in changed
     assert any(name.startswith("actor.") for name in changed)
@@ -54,12 +53,11 @@ def test_target_critics_follow_the_critics_by_polyak_averaging():
     critics = agent.loss_module.qvalue_network_params
     targets = agent.loss_module.target_qvalue_network_params
     torch.testing.assert_close(targets.data, critics.data)  # they start equal
-    critics_optimizer = agent.make_optimizers()["critics"]
-    loss, _ = agent(batch)
+    optimizers = agent.make_optimizers()
+    loss, _, _ = agent(batch)
     loss.backward()
-    critics_optimizer.step()
     old_targets = targets.data.clone()
-    agent.after_update(1)
+    agent.optimizer_step(optimizers, 1)  # the critics step, then their targets follow
     tau = agent.cfg.tau
     expected = old_targets.apply(lambda old, new: (1 - tau) * old + tau * new, critics.data)
     torch.testing.assert_close(targets.data, expected)

@@ -101,7 +101,7 @@ def test_slurms_warning_checkpoints_every_rank_requeues_and_the_requeued_job_goe
     assert f"SLURM job {env['SLURM_JOB_ID']} requeued" in stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped_by"] == "SIGUSR1"
-    stopped_at = checkpoint.read_meta(checkpoint.latest(run_dir))["frames"]
+    stopped_at = checkpoint.Meta.read(checkpoint.latest(run_dir)).frames
     assert stopped_at == summary["frames_collected"] > 0
     assert processes_of(run_dir) == {}
 

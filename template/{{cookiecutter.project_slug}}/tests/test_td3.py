@@ -24,13 +24,11 @@ def test_the_collector_explores_around_the_actor_and_evaluation_does_not():
 
 def step(agent, optimizers, batch, update: int) -> None:
     """One update as the learner runs it: every gradient, then the recipe's optimizers."""
-    loss, _ = agent(batch.clone())
+    loss, _, _ = agent(batch.clone())
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    for name in agent.optimizers_to_step(update):
-        optimizers[name].step()
-    agent.after_update(update)
+    agent.optimizer_step(optimizers, update)
 
 
 def snapshot(agent) -> list[torch.Tensor]:
@@ -71,6 +69,6 @@ def test_priorities_are_absolute_td_errors():
     torch.manual_seed(1)  # the same target-policy smoothing noise for both
     agent.loss_module(squared)
     torch.manual_seed(1)
-    agent(batch)
-    assert batch[agent.priority_key].shape == (32,)
-    torch.testing.assert_close(batch[agent.priority_key], squared[agent.priority_key].sqrt())
+    _, priorities, _ = agent(batch)
+    assert priorities.shape == (32,)
+    torch.testing.assert_close(priorities, squared["td_error"].sqrt())

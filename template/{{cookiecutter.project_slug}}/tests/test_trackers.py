@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from .conftest import RECIPES, read_summary, run_command, tiny_overrides
+from .conftest import RECIPES, learners_run, read_summary, run_command, tiny_overrides
 
 RECIPE = RECIPES[0]
 pytestmark = pytest.mark.slow
@@ -110,3 +110,46 @@ def test_mlflow_file_store_run_holds_metrics_config_and_summary(tracked, monkeyp
     assert run.data.metrics["eval_return"] == pytest.approx(summary["eval_return"])
     artifacts = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
     assert {"summary.json", "learning_curve.png", "config.yaml"} <= artifacts
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A SQLite store that does not exist yet (MLflow's recommended local store), the one the
+    ranks log to."""
+    if "mlflow" not in TRACKERS:
+        pytest.skip("needs the [mlflow] extra")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    return store
+
+
+def test_mlflow_on_three_learners_starts_from_an_empty_store(tmp_path, mlflow_store):
+    """Only rank 0 logs, so only rank 0 opens the store: ranks that each opened it raced to
+    create its tables (`duplicate column name: step`) and the run exited 1."""
+    from mlflow.tracking import MlflowClient
+
+    overrides = [
+        *tiny_overrides(RECIPE),
+        "loggers=[csv,mlflow]",
+        "experiment=three",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    summary = read_summary(learners_run(3, *overrides))
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("three").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["eval_return"] == pytest.approx(summary["eval_return"])
+
+
+def test_a_tracker_that_cannot_reach_its_store_stops_every_rank_in_one_line(tmp_path, monkeypatch):
+    if "mlflow" not in TRACKERS:
+        pytest.skip("needs the [mlflow] extra")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")  # MLflow 3 refuses it
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    result = learners_run(2, *tiny_overrides(RECIPE), "loggers=[csv,mlflow]", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode != 0
+    reports = [line for line in result.stderr.splitlines() if "stopping:" in line]
+    assert {line.split(" ")[1] for line in reports} == {"0", "1"}, result.stderr[-3000:]
+    reason = "rank 0 (learner) failed: loggers: mlflow cannot log (The filesystem tracking backend"
+    assert all(reason in line for line in reports), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]

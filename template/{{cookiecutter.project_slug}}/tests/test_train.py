@@ -97,7 +97,7 @@ def test_a_run_shorter_than_log_every_records_its_metrics_and_its_checkpoint_pla
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
     """Launched by Fabric itself (`python train.py fabric.devices=2`; the tests of faults,
-    checkpoints and preemption run `fabric run`). The first replay recipe collects
+    checkpoints and stragglers run `fabric run`). The first replay recipe collects
     asynchronously: the replay ratio holds and the policy lag is reported."""
     collect_async = recipe == REPLAY_RECIPE
     overrides = ["collector.mode=async", "collector.weight_sync_every=2"] if collect_async else []

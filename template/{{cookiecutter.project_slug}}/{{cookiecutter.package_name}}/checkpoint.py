@@ -20,10 +20,13 @@ anew (``ReplayShard.restore``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import random
 import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,6 +42,88 @@ from .config import ConfigError
 FINAL = Path("checkpoints") / "final.pt"
 PREFIX = "frames-"
 META = "meta.json"
+AGENT = "agent.pt"
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a training checkpoint is: ``meta.json``, written last (a folder without it is
+    incomplete), and read back by ``resume``."""
+
+    recipe: str
+    env_id: str
+    frames: int
+    updates: int
+    learners: int
+    replay_shards: int
+    replay: bool  # the shards' contents are in the checkpoint (checkpoint.replay)
+    frames_per_batch: int
+
+    @classmethod
+    def of_run(cls, cfg: DictConfig, frames: int, updates: int, learners: int, replay_shards: int) -> Meta:
+        """The meta of a checkpoint of the run ``cfg`` after ``frames`` and ``updates``."""
+        return cls(
+            recipe=cfg.recipe,
+            env_id=cfg.env.id,
+            frames=frames,
+            updates=updates,
+            learners=learners,
+            replay_shards=replay_shards,
+            replay=replay_shards > 0 and cfg.checkpoint.replay,
+            frames_per_batch=cfg.collector.frames_per_batch,
+        )
+
+    def write(self, folder: Path) -> None:
+        (folder / META).write_text(json.dumps(dataclasses.asdict(self), indent=2))
+
+    @classmethod
+    def read(cls, folder: Path) -> Meta:
+        return cls(**json.loads((folder / META).read_text()))
+
+
+@dataclass(frozen=True)
+class Checkpoint(Meta):
+    """A training checkpoint on disk: its meta and its folder."""
+
+    folder: Path
+
+    def changes(self, learners: int, shards: int) -> list[str]:
+        """How a run of ``learners`` and ``shards`` replay shards differs from this
+        checkpoint's, e.g. ``["learners 2 -> 3"]``."""
+        layout = {"learners": (self.learners, learners), "replay shards": (self.replay_shards, shards)}
+        return [f"{key} {saved} -> {now}" for key, (saved, now) in layout.items() if saved != now]
+
+
+def save(
+    cfg: DictConfig,
+    meta: Meta,
+    learner_index: int,
+    agent: torch.nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    shards: Sequence[Any],
+    barrier: Callable[[], None],
+) -> None:
+    """Write the training checkpoint ``meta`` describes. Every learner calls this at the
+    same step, once its own replay writes are in; ``barrier`` waits for all learners, so
+    the shards (RRefs, ``shards``) do not change while they are written and none goes on
+    before the checkpoint is complete."""
+    final = training_dir(cfg.run_dir, meta.frames)
+    partial = partial_dir(final)
+    if learner_index == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a crash in an earlier write left
+        partial.mkdir(parents=True)
+    barrier()
+    torch.save(rng_state(), partial / f"rng-{learner_index}.pt")
+    barrier()
+    if learner_index == 0:
+        optimizer_states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
+        torch.save({"agent": agent.state_dict(), "optimizers": optimizer_states}, partial / AGENT)
+        if meta.replay:
+            for index, shard in enumerate(shards):
+                shard.rpc_sync().save(str(partial / f"replay-{index}"))
+        meta.write(partial)  # last: a folder without meta.json is incomplete
+        commit(partial, final, cfg.checkpoint.keep)
+    barrier()
 
 
 def save_agent(path: Path, cfg: DictConfig, agent: torch.nn.Module) -> Path:
@@ -99,11 +184,11 @@ def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
 def agent_state(folder: Path) -> dict[str, Any]:
     """A training checkpoint in ``save_agent``'s form: the hyperparameters come from the
     ``config.yaml`` its run wrote."""
-    meta = read_meta(folder)
+    meta = Meta.read(folder)
     run_config = OmegaConf.load(run_dir_of(folder) / "config.yaml")
-    weights = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)["agent"]
+    weights = torch.load(folder / AGENT, map_location="cpu", weights_only=True)["agent"]
     algo, env = OmegaConf.to_container(run_config.algo), OmegaConf.to_container(run_config.env)
-    return {"recipe": meta["recipe"], "env_id": meta["env_id"], "env": env, "algo": algo, "agent": weights}
+    return {"recipe": meta.recipe, "env_id": meta.env_id, "env": env, "algo": algo, "agent": weights}
 
 
 def training_dir(run_dir: str | Path, frames: int) -> Path:
@@ -112,6 +197,7 @@ def training_dir(run_dir: str | Path, frames: int) -> Path:
 
 
 def partial_dir(final: Path) -> Path:
+    """Where the checkpoint ``final`` is written, until it is complete."""
     return final.with_name(f".{final.name}.partial")
 
 
@@ -143,14 +229,6 @@ def latest(path: str | Path) -> Path:
     return found[-1]
 
 
-def write_meta(folder: Path, meta: dict[str, Any]) -> None:
-    (folder / META).write_text(json.dumps(meta, indent=2))
-
-
-def read_meta(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / META).read_text())
-
-
 AUTO = "auto"
 
 
@@ -170,37 +248,28 @@ def check_run_dir(cfg: DictConfig) -> None:
         )
 
 
-def check_resume(cfg: DictConfig, learners: int | None, shards: int | None) -> dict[str, Any] | None:
-    """The checkpoint ``cfg.resume`` points at, if this run can go on from it, with
-    ``changed``: how this run's ``learners`` and replay ``shards`` differ from the
-    checkpoint's (None: not known yet), e.g. ``["learners 2 -> 3"]``. Any layout resumes.
+def check_resume(cfg: DictConfig) -> Checkpoint | None:
+    """The checkpoint ``cfg.resume`` points at, if this run can go on from it; any layout
+    of learners and replay shards resumes.
 
     ``resume=auto``: the newest complete checkpoint in ``run_dir``, or None (start afresh)
-    when there is none yet, so a job requeued after a preemption runs the same command.
+    when there is none yet, so a job requeued by SLURM runs the same command.
     """
-    if cfg.resume == AUTO:
-        if not complete(cfg.run_dir):
-            return None
-        folder = latest(cfg.run_dir)
-    else:
-        folder = latest(cfg.resume)
-    meta = read_meta(folder)
-    if (meta["recipe"], meta["env_id"]) != (cfg.recipe, cfg.env.id):
+    if cfg.resume is None or (cfg.resume == AUTO and not complete(cfg.run_dir)):
+        return None
+    folder = latest(cfg.run_dir if cfg.resume == AUTO else cfg.resume)
+    meta = Meta.read(folder)
+    if (meta.recipe, meta.env_id) != (cfg.recipe, cfg.env.id):
         raise ConfigError(
-            f"resume: {folder} is a checkpoint of recipe '{meta['recipe']}' on {meta['env_id']}, "
+            f"resume: {folder} is a checkpoint of recipe '{meta.recipe}' on {meta.env_id}, "
             f"not of '{cfg.recipe}' on {cfg.env.id}"
         )
-    if meta["frames_per_batch"] != cfg.collector.frames_per_batch:
+    if meta.frames_per_batch != cfg.collector.frames_per_batch:
         raise ConfigError(
-            f"resume: {folder} was written with frames_per_batch={meta['frames_per_batch']}, "
+            f"resume: {folder} was written with frames_per_batch={meta.frames_per_batch}, "
             f"this run has {cfg.collector.frames_per_batch}"
         )
-    layout = {"learners": learners, "replay shards": shards}
-    saved = {"learners": meta["learners"], "replay shards": meta["replay_shards"]}
-    changed = [
-        f"{key} {saved[key]} -> {value}" for key, value in layout.items() if value not in (None, saved[key])
-    ]
-    return {**meta, "folder": str(folder), "changed": changed}
+    return Checkpoint(**dataclasses.asdict(meta), folder=folder)
 
 
 def restore_learner(
@@ -219,7 +288,7 @@ def restore_learner(
     straight onto the GPU would put there. A learner the checkpoint's run did not have
     (it had fewer) seeds its random generators with ``fresh_seed``.
     """
-    state = torch.load(folder / "agent.pt", map_location="cpu", weights_only=True)
+    state = torch.load(folder / AGENT, map_location="cpu", weights_only=True)
     agent.load_state_dict(state["agent"])
     for name, optimizer in optimizers.items():
         optimizer.load_state_dict(state["optimizers"][name])

@@ -25,9 +25,9 @@ from tensordict.nn import TensorDictModuleBase
 from torchrl.collectors import AsyncCollector, Collector
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
-from .config import ASYNC
+from .config import COLLECT_ASYNC
+from .distributed.watchdog import STOP_SIGNALS, RankFailure, exit_status
 from .envs import TrainingBatches, make_env
-from .watchdog import STOP_SIGNALS, RankFailure
 
 POLICY_VERSION = "policy_version"
 
@@ -47,7 +47,7 @@ def make_collector(
     ``random_frames`` (rounded up to whole batches) act uniformly at random instead of
     with the policy.
 
-    Settings measured for speed (benchmarks/collection.py, README "Benchmarks"): no
+    Settings measured for speed (benchmarks/collection.py, docs/benchmarks.md): no
     trajectory ids (nothing reads them), no policy transforms registered behind the
     recipe's back, each batch stacked once (no buffers copied into it), and, with the
     policy on the CPU, no device anywhere: the env's outputs and the batches stay
@@ -58,7 +58,7 @@ def make_collector(
     """
     # An async collector's process acts with a CPU copy of the policy. A policy on a GPU
     # takes the env's CPU tensors to its device, and the batches come back to the CPU.
-    on_cpu = cfg.collector.mode == ASYNC or device.type == "cpu"
+    on_cpu = cfg.collector.mode == COLLECT_ASYNC or device.type == "cpu"
     env_device = None if on_cpu else "cpu"
     make = functools.partial(make_env, OmegaConf.to_container(cfg.env), cfg.env.num_envs, seed, env_device)
     frames_per_batch = frames_per_batch or cfg.collector.frames_per_batch
@@ -70,7 +70,7 @@ def make_collector(
         "env_device": env_device,
         "postproc": TrainingBatches(cfg.env.get("clip_rewards", False), cfg.env.get("life_loss", False)),
     }
-    if cfg.collector.mode == ASYNC:
+    if cfg.collector.mode == COLLECT_ASYNC:
         # The child acts with a CPU copy of the policy in shared memory: it never touches the
         # learner's GPU, and the learner decides when the copy changes (``update_policy_weights_``).
         # Every frame records the version (the number of pushes) of the weights it was
@@ -86,7 +86,7 @@ def make_collector(
             )
     # Each batch is stacked into new tensors (no buffers reused), so it is handed out as it
     # is: with its buffers torchrl copies them into a new batch, a second copy of every
-    # frame (on Pong a tenth of the collector's time: README, "The data path").
+    # frame (on Pong a tenth of the collector's time: docs/distributed.md, "The data path").
     return Collector(
         make(),
         policy,
@@ -112,17 +112,35 @@ class CollectorProcess(AsyncCollector):
         super().shutdown(*args, **kwargs)
         self.weight_sync.shutdown()
 
+    def ended(self) -> str | None:
+        """How the child process ended, in words; None while it runs."""
+        for process in self.procs:
+            try:
+                code = process.exitcode
+            except ValueError:  # closed: torchrl closes the survivors when a worker fails
+                continue
+            if code is not None:
+                return exit_status(code)
+        return None
+
 
 class CollectorFailed(RankFailure):
     """The collector's process died."""
 
 
-def next_batch(batches: Iterator[TensorDictBase], owner: str) -> TensorDictBase | None:
-    """The next batch, or None at the end; a dead collector process is one clear error."""
+def next_batch(
+    collector: Collector | CollectorProcess, batches: Iterator[TensorDictBase], owner: str
+) -> TensorDictBase:
+    """The next batch from ``batches``, ``collector``'s iterator. Only a dead collector
+    process is reported as one, in one line naming ``owner``; any other error (a recipe's
+    policy, an environment, in this process) keeps its own type, message and traceback."""
     try:
-        return next(batches, None)
-    except RuntimeError as error:  # how torchrl reports a worker that died
-        raise CollectorFailed(f"the collector process of {owner} died ({error})") from None
+        return next(batches)
+    except RuntimeError:  # how torchrl reports a worker that died, among other things
+        ended = collector.ended() if isinstance(collector, CollectorProcess) else None
+        if ended is None:
+            raise
+        raise CollectorFailed(f"the collector process of {owner} died ({ended})") from None
 
 
 @contextmanager

@@ -9,8 +9,8 @@ its ``FAMILY_DEFAULTS[family]`` sit under config.yaml, so either can override th
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +23,7 @@ from . import envs, recipes
 
 # Fabric's own loggers and two of Lightning's experiment trackers (extras [wandb], [mlflow]).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
-SYNC, ASYNC = "sync", "async"  # collector.mode
+COLLECT_SYNC, COLLECT_ASYNC = "sync", "async"  # collector.mode
 REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 
 
@@ -34,6 +34,10 @@ def one_folder(env_id: str) -> str:
 
 # ``${one_folder:${env.id}}`` in config.yaml: the default run_dir is runs/<recipe>-ALE-Pong-v5-seed1.
 OmegaConf.register_new_resolver("one_folder", one_folder, replace=True)
+
+
+# The labels of the config's layers (layers), as --print-config shows them.
+SCHEMA, CONFIG_YAML, COMMAND_LINE = "default in config.py", "config.yaml", "command line"
 
 
 class ConfigError(ValueError):
@@ -133,31 +137,8 @@ class RunConfig:
 
 def load(overrides: list[str], defaults: Path) -> DictConfig:
     """Resolve ``defaults`` (a YAML file) plus ``key=value`` overrides into a checked config."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"expected key=value, got {item!r}")
     try:
-        file = OmegaConf.load(defaults)
-        cli = OmegaConf.from_dotlist(overrides)
-        recipe_name = cli.get("recipe", file.get("recipe"))
-        try:
-            recipe = recipes.load(recipe_name)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        # Lowest to highest: the schema (the recipe's Config under algo), the recipe's run
-        # defaults (its env, frames per batch, ...), its defaults for the family of the
-        # chosen env (Atari, MuJoCo, ...), config.yaml, the command line.
-        env_id = OmegaConf.merge(recipe.RUN_DEFAULTS, file, cli).env.id
-        try:
-            family = envs.family_of(env_id)
-        except envs.EnvUnavailable as error:
-            raise ConfigError(str(error)) from None
-        cfg = OmegaConf.structured(RunConfig)
-        cfg.algo = OmegaConf.structured(recipe.Config)
-        OmegaConf.set_struct(cfg, True)
-        OmegaConf.set_struct(cfg.env.kwargs, False)  # any keyword the env takes
-        family_defaults = getattr(recipe, "FAMILY_DEFAULTS", {}).get(family, {})
-        cfg = OmegaConf.merge(cfg, recipe.RUN_DEFAULTS, family_defaults, file, cli)
+        cfg = OmegaConf.merge(*(layer for _, layer in layers(overrides, defaults)))
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"config keys without a value: {', '.join(missing)}")
@@ -166,6 +147,68 @@ def load(overrides: list[str], defaults: Path) -> DictConfig:
         raise ConfigError(_one_line(error)) from None
     validate(cfg)
     return cfg
+
+
+def layers(overrides: list[str], defaults: Path) -> list[tuple[str, DictConfig]]:
+    """The config's layers, lowest first, each with where it comes from: the schema (the
+    recipe's Config under algo), the recipe's run defaults (its env, frames per batch,
+    ...), its defaults for the family of the chosen env (Atari, MuJoCo, ...), config.yaml,
+    the command line."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"expected key=value, got {item!r}")
+    try:
+        file = OmegaConf.load(defaults)
+        cli = OmegaConf.from_dotlist(overrides)
+        name = cli.get("recipe", file.get("recipe"))
+        try:
+            recipe = recipes.load(name)
+        except recipes.RecipeError as error:
+            raise ConfigError(str(error)) from None
+        env_id = OmegaConf.merge(recipe.RUN_DEFAULTS, file, cli).env.id
+        try:
+            family = envs.family_of(env_id)
+        except envs.EnvUnavailable as error:
+            raise ConfigError(str(error)) from None
+        schema = OmegaConf.structured(RunConfig)
+        schema.algo = OmegaConf.structured(recipe.Config)
+        OmegaConf.set_struct(schema, True)
+        OmegaConf.set_struct(schema.env.kwargs, False)  # any keyword the env takes
+        family_defaults = getattr(recipe, "FAMILY_DEFAULTS", {}).get(family, {})
+        return [
+            (SCHEMA, schema),
+            (name, OmegaConf.create(recipe.RUN_DEFAULTS)),
+            (f"{name}, {family} family", OmegaConf.create(family_defaults)),
+            (CONFIG_YAML, file),
+            (COMMAND_LINE, cli),
+        ]
+    except OmegaConfBaseException as error:
+        raise ConfigError(_one_line(error)) from None
+
+
+def sources(overrides: list[str], defaults: Path) -> dict[str, str]:
+    """Where each key's value comes from: dotted key -> the label of the last layer that
+    set it. The schema's defaults of the recipe's hyperparameters are its ``Config``'s."""
+    stack = layers(overrides, defaults)
+    recipe = stack[1][0]  # the recipe's run defaults are labelled with its name
+    found = {}
+    for source, layer in stack:
+        for key, value in leaves(OmegaConf.to_container(layer)).items():
+            if value == MISSING:  # ???: left to a layer above
+                continue
+            found[key] = f"{recipe} Config" if source == SCHEMA and key.startswith("algo.") else source
+    return found
+
+
+def leaves(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value of every leaf of a nested dict (an empty dict is a leaf)."""
+    found = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            found.update(leaves(value, f"{prefix}{key}."))
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
 
 
 def _one_line(error: OmegaConfBaseException) -> str:
@@ -187,9 +230,12 @@ def validate(cfg: DictConfig) -> None:
             f"collector.frames_per_batch ({cfg.collector.frames_per_batch}) must be a multiple "
             f"of env.num_envs ({cfg.env.num_envs})"
         )
-    if cfg.collector.mode not in (SYNC, ASYNC):
-        raise ConfigError(f"collector.mode must be {SYNC} or {ASYNC}, got '{cfg.collector.mode}'")
-    if cfg.collector.mode == ASYNC and not recipes.load(cfg.recipe).Agent.uses_replay:
+    agent = recipes.load(cfg.recipe).Agent
+    if cfg.collector.mode not in (COLLECT_SYNC, COLLECT_ASYNC):
+        raise ConfigError(
+            f"collector.mode must be {COLLECT_SYNC} or {COLLECT_ASYNC}, got '{cfg.collector.mode}'"
+        )
+    if cfg.collector.mode == COLLECT_ASYNC and not agent.uses_replay:
         raise ConfigError(
             f"collector.mode=async is for replay recipes; '{cfg.recipe}' trains on what it just "
             "collected, so it collects in sync mode"
@@ -202,6 +248,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
     if cfg.replay.ranks < 0:
         raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
+    if agent.uses_replay and cfg.replay.ranks < 1 and expected_world_size(cfg) != 1:
+        raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several learners")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:
@@ -234,10 +282,14 @@ def validate(cfg: DictConfig) -> None:
     try:
         family = envs.family_of(cfg.env.id)
         envs.vectorization_of(cfg.env.vectorization, cfg.env.id)
+        kind, actions = envs.actions_of(cfg.env)
     except envs.EnvUnavailable as error:
         raise ConfigError(str(error)) from None
     if cfg.env.life_loss and family != envs.ATARI:
         raise ConfigError(f"env.life_loss is for Atari games ({cfg.env.id} is not one)")
+    if kind not in agent.action_spaces:
+        needs = " or ".join(agent.action_spaces)
+        raise ConfigError(f"recipe {cfg.recipe} needs {needs} actions; {cfg.env.id} has {actions}")
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:
@@ -249,3 +301,10 @@ def expected_world_size(cfg: DictConfig) -> int | None:
         return 1
     nodes = int(os.environ.get("LT_NUM_NODES", cfg.fabric.num_nodes))
     return int(devices) * nodes if str(devices).isdigit() else None
+
+
+def planned_frames(cfg: DictConfig, learners: int, start: int = 0) -> int:
+    """``total_frames`` rounded up to whole collector steps of all learners, counted on
+    from ``start`` (a resumed run's frames, in steps of however many learners it had)."""
+    frames_per_step = cfg.collector.frames_per_batch * learners
+    return start + math.ceil(max(0, cfg.total_frames - start) / frames_per_step) * frames_per_step

@@ -17,15 +17,19 @@ entry point) decides the standard treatment:
 ``env.vectorization`` picks how one learner's ``env.num_envs`` copies are stepped:
 ``sync`` (one process, gymnasium's ``SyncVectorEnv``), ``async`` (a subprocess per copy,
 ``AsyncVectorEnv``), ``ale`` (ale-py's native ``AtariVectorEnv``, threads in C++; Atari
-only), or ``auto``: ``ale`` for Atari, ``sync`` for the rest (README, "Environments",
-has the measurements behind the rule).
+only), or ``auto``: ``ale`` for Atari, ``sync`` for the rest (docs/environments.md,
+"Vectorization", has the measurements behind the rule).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-from collections.abc import Mapping
+import os
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import gymnasium as gym
@@ -43,7 +47,8 @@ from torchrl.envs import (
 from torchrl.envs.libs.gym import default_info_dict_reader
 
 ATARI, MINATAR, MUJOCO, OTHER = "atari", "minatar", "mujoco", "other"
-SYNC, ASYNC, ALE, AUTO = "sync", "async", "ale", "auto"
+SYNC, ASYNC, ALE, AUTO = "sync", "async", "ale", "auto"  # env.vectorization
+DISCRETE, CONTINUOUS = "discrete", "continuous"  # kinds of action spaces (a recipe's action_spaces)
 VECTORIZATIONS = (AUTO, SYNC, ASYNC, ALE)
 # The module a family needs, and the project's extra that installs it.
 NEEDS = {ATARI: ("ale_py", "atari"), MINATAR: ("minatar", "minatar"), MUJOCO: ("mujoco", "mujoco")}
@@ -120,6 +125,48 @@ def register_envs(family: str) -> None:
         minatar.gym.register_envs()
 
 
+def actions_of(env: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The kind of one copy's action space (DISCRETE, CONTINUOUS, or None for any other)
+    and its description, e.g. ``"2 discrete actions"``: from the env gymnasium makes,
+    before any rank starts. EnvUnavailable says, in one line, why it cannot be made."""
+    env_id = env["id"]
+    kwargs = dict(env.get("kwargs") or {})
+    if family_of(env_id) == ATARI:
+        kwargs = atari_single_settings(kwargs)
+    try:
+        with output_silenced():
+            single = gym.make(env_id, **kwargs)
+            space = single.action_space
+            single.close()
+    except Exception as error:  # a bad keyword, a broken user env: say which, in one line
+        raise EnvUnavailable(f"env.id={env_id} cannot be made: {str(error).splitlines()[0]}") from None
+    if isinstance(space, gym.spaces.Discrete):
+        return DISCRETE, f"{space.n} discrete actions"
+    if isinstance(space, gym.spaces.Box):
+        dimensions = int(np.prod(space.shape))
+        return CONTINUOUS, f"continuous actions ({dimensions} dimension{'s' if dimensions > 1 else ''})"
+    return None, f"actions of {space}"
+
+
+@contextlib.contextmanager
+def output_silenced() -> Iterator[None]:
+    """Standard error and Python warnings off for the block, at the file descriptor: the
+    MuJoCo compiler prints its own deprecation warnings from C, where neither Python's
+    ``warnings`` nor ``sys.stderr`` reach them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def vectorization_of(requested: str, env_id: str) -> str:
     """``auto`` resolved by the measured rule: ale-py's own vector env is the fastest for
     Atari; for the rest, subprocesses cost more than cheap envs take to step."""
@@ -190,8 +237,8 @@ class MaskedResets(gym.vector.VectorWrapper):
     again at the next step (tests/test_env_families.py holds ale-py to it), and torchrl
     resets every finished copy before it steps again. In SAME_STEP mode torchrl instead
     reads each step's final observations from ``info``: a zeroed frame stack and a loop
-    over the copies at every step, a sixth of the collector's time on Pong (README, "The
-    data path").
+    over the copies at every step, a sixth of the collector's time on Pong
+    (docs/distributed.md, "The data path").
     """
 
     autoreset_mode = gym.vector.AutoresetMode.DISABLED

@@ -1,9 +1,11 @@
 """The run's records, kept by rank 0: resolved config, metrics, progress, summary.json and
 the learning curve.
 
-Learners report to it over RPC (or directly, in a one-process run). Metrics reported for
-the same step by every learner are merged into one row: rates are summed over learners,
-everything else is averaged. The row goes to Fabric's loggers and the progress bar.
+Learners report to it over RPC (or directly, in a one-process run), each a ``Window`` of
+metrics at a time. Metrics reported for the same step by every learner are merged into one
+row: rates are summed over learners, everything else is averaged. The row goes to the
+loggers (``cfg.loggers``, made here: only rank 0 logs, so only rank 0 opens a tracker's
+store) and the progress bar.
 """
 
 from __future__ import annotations
@@ -11,19 +13,22 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
-from lightning_fabric import Fabric
+import torch
+from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from .learner import planned_frames
+from .config import planned_frames
+from .distributed.topology import Topology
+from .distributed.watchdog import RankFailure
 from .plots import learning_curve
-from .topology import Topology
 
 SUMMED = ("frames_per_s",)
 # Metrics the progress bar shows: their labels and formats.
@@ -38,7 +43,6 @@ PROGRESS = {
 class Recorder:
     def __init__(
         self,
-        fabric: Fabric,
         cfg: DictConfig,
         topology: Topology,
         progress_stream: TextIO | None = None,
@@ -47,26 +51,24 @@ class Recorder:
         """``progress_stream``: where the progress bar goes; by default standard error,
         and only when that is a terminal (logs of batch jobs stay free of it).
         ``resumed``: the meta of the checkpoint the run goes on from."""
-        self.fabric = fabric
         self.topology = topology
         self.title = f"{cfg.recipe} on {cfg.env.id}, seed {cfg.seed}"
         self.collector_mode = cfg.collector.mode
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.resumed_from = resumed["folder"] if resumed else None
+        self.resumed_from = str(resumed.folder) if resumed else None
         # The rows logged up to the checkpoint; read before the loggers open, because
         # Fabric's CSV logger deletes the metrics.csv it finds.
-        earlier = earlier_rows(Path(resumed["folder"]).parent.parent, resumed["frames"]) if resumed else []
+        earlier = earlier_rows(resumed.folder.parent.parent, resumed.frames) if resumed else []
         # Open the metrics files first: Fabric's CSV logger warns about any folder that
         # already holds files when it starts. A resumed run logs the earlier rows again
         # (below), so the warning that they will be deleted does not apply to it.
         with warnings.catch_warnings():
             if resumed:
                 warnings.filterwarnings("ignore", message="Experiment logs directory")
-            for logger in fabric.loggers:
-                logger.experiment  # noqa: B018
+            self.loggers = make_loggers(cfg)
         OmegaConf.save(cfg, self.run_dir / "config.yaml")
-        for logger in trackers(fabric):
+        for logger in trackers(self.loggers):
             logger.log_hyperparams(OmegaConf.to_container(cfg))
         self.started = time.monotonic()
         if not cfg.progress:
@@ -76,8 +78,8 @@ class Recorder:
         else:
             hidden = False
         self.progress = tqdm(
-            initial=resumed["frames"] if resumed else 0,
-            total=planned_frames(cfg, len(topology.learner_ranks), resumed["frames"] if resumed else 0),
+            initial=resumed.frames if resumed else 0,
+            total=planned_frames(cfg, len(topology.learner_ranks), resumed.frames if resumed else 0),
             unit="frame",
             unit_scale=True,
             dynamic_ncols=True,
@@ -100,7 +102,7 @@ class Recorder:
             self.eval_history.append({"frames": step, "wall_s": wall_s, "eval_return": row["eval_return"]})
         if "train_return" in row:
             self.train_history.append((step, row["train_return"]))
-        self.fabric.log_dict(row, step=step)
+        self.log(row, step)
 
     def report(self, step: int, metrics: dict[str, float]) -> None:
         """One learner's training or evaluation row at ``step`` (global frames), logged once
@@ -168,7 +170,7 @@ class Recorder:
             "samples_per_insert": sampled / inserted if inserted else 0.0,
             "policy_lag": sum(stats["policy_lag"] for stats in learners) / len(learners),
             # Per learner: frames collected in this process, rollouts, how many of them the
-            # preemption threshold cut short, and the mean fraction of a full one collected.
+            # straggler threshold cut short, and the mean fraction of a full one collected.
             "learner_rollouts": {
                 str(rank): self._finished[rank]["rollouts"] for rank in self.topology.learner_ranks
             },
@@ -187,25 +189,71 @@ class Recorder:
         self.progress.close()
         if not self.eval_history or self.eval_history[-1]["frames"] != frames:
             # The final evaluation is the run's last metrics row, however short the run.
-            self.fabric.log_dict({"eval_return": summary["eval_return"]}, step=frames)
+            self.log({"eval_return": summary["eval_return"]}, frames)
         evaluations = [(row["frames"], row["eval_return"]) for row in self.eval_history]
         evaluations.append((frames, summary["eval_return"]))
         learning_curve(self.run_dir / "learning_curve.png", self.train_history, evaluations, self.title)
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
         files = [path, self.run_dir / "learning_curve.png", self.run_dir / "config.yaml"]
-        for logger in trackers(self.fabric):
+        for logger in trackers(self.loggers):
             publish(logger, summary, files)
-        for logger in self.fabric.loggers:
+        for logger in self.loggers:
             logger.finalize("success")
         return path
 
+    def log(self, row: dict[str, float], step: int) -> None:
+        for logger in self.loggers:
+            logger.log_metrics(row, step)
 
-def trackers(fabric: Fabric) -> list:
-    """The experiment trackers among Fabric's loggers (W&B, MLflow): they take the config
-    and the summary too. Told apart by class name, so that pytorch_lightning (slow to
-    import) is imported only by runs that use one."""
-    return [logger for logger in fabric.loggers if type(logger).__name__ in ("WandbLogger", "MLFlowLogger")]
+
+def make_loggers(cfg: DictConfig) -> list:
+    """The loggers named in ``cfg.loggers``, each with its run opened: Fabric's CSV and
+    TensorBoard loggers write straight into run_dir; Lightning's W&B and MLflow loggers log
+    to ``cfg.experiment`` under the run_dir's name. W&B follows its own settings
+    (``WANDB_MODE=offline``, ...); MLflow logs to ``MLFLOW_TRACKING_URI``, by default a
+    SQLite file in this folder (MLflow's recommended local store; ``mlflow ui`` shows it).
+
+    A logger that cannot reach its store (MLflow refuses ``file:`` stores unless
+    ``MLFLOW_ALLOW_FILE_STORE=true``, say) stops the run in one line naming it."""
+    run_name = Path(cfg.run_dir).name
+
+    def wandb():
+        # pytorch_lightning (the [wandb] and [mlflow] extras) is slow to import: only when asked.
+        from pytorch_lightning.loggers import WandbLogger
+
+        return WandbLogger(name=run_name, project=cfg.experiment, save_dir=cfg.run_dir)
+
+    def mlflow():
+        from pytorch_lightning.loggers import MLFlowLogger
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
+        return MLFlowLogger(cfg.experiment, run_name, tracking_uri=uri)
+
+    makers = {
+        "csv": lambda: CSVLogger(cfg.run_dir, name="", version="", flush_logs_every_n_steps=1),
+        "tensorboard": lambda: TensorBoardLogger(cfg.run_dir, name="", version="", default_hp_metric=False),
+        "wandb": wandb,
+        "mlflow": mlflow,
+    }
+    loggers = []
+    for name in cfg.loggers:
+        try:
+            logger = makers[name]()
+            # Its run opens now, before training.
+            logger.experiment  # noqa: B018
+        except Exception as error:  # whatever the tracker's client raises
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise RankFailure(f"loggers: {name} cannot log ({reason})") from None
+        loggers.append(logger)
+    return loggers
+
+
+def trackers(loggers: list) -> list:
+    """The experiment trackers among the loggers (W&B, MLflow): they take the config and the
+    summary too. Told apart by class name, so that pytorch_lightning (slow to import) is
+    imported only by runs that use one."""
+    return [logger for logger in loggers if type(logger).__name__ in ("WandbLogger", "MLFlowLogger")]
 
 
 def publish(logger: Any, summary: dict[str, Any], files: list[Path]) -> None:
@@ -242,3 +290,36 @@ def earlier_rows(run_dir: Path, frames: int) -> list[tuple[int, dict[str, float]
             for row in csv.DictReader(file)
         ]
     return [(step, row) for step, row in rows if step <= frames]
+
+
+class Window:
+    """A learner's metrics since its last report: throughput, mean losses, finished
+    episodes' returns."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.frames = 0
+        self.sums: dict[str, float] = {}
+        self.updates = 0
+        self.returns: list[float] = []
+
+    def add_episodes(self, batch) -> None:
+        self.frames += batch.numel()
+        done = batch["next", "done"].squeeze(-1)
+        self.returns += batch["next", "episode_reward"].squeeze(-1)[done].tolist()
+
+    def add_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
+        self.updates += 1
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def flush(self) -> dict[str, float]:
+        elapsed = time.monotonic() - self.started
+        row = {
+            "frames_per_s": self.frames / elapsed,
+            "updates_per_s": self.updates / elapsed,
+            "train_return": sum(self.returns) / len(self.returns) if self.returns else math.nan,
+        }
+        row.update({key: float(total) / self.updates for key, total in self.sums.items()})
+        self.__init__()
+        return row

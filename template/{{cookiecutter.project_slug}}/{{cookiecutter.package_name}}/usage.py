@@ -1,4 +1,5 @@
-"""``python train.py --help``: every config key with its value and a one-line description.
+"""``python train.py --help``: every config key with its value and a one-line description;
+``--print-config``: the resolved config, each value with where it came from.
 
 Each description is written once, next to its value:
 
@@ -23,6 +24,8 @@ from types import ModuleType
 
 from omegaconf import DictConfig, OmegaConf
 
+from .config import CONFIG_YAML
+
 USAGE = "usage: python train.py [--help] [--print-config] [key=value ...]"
 # `key: value  # comment`, `key:  # comment` (a section) or `key: value`.
 _LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*)(?:#\s?(?P<comment>.*))?$")
@@ -30,18 +33,38 @@ _LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*)(?:#\s
 
 def yaml_comments(path: Path) -> dict[str, str]:
     """Dotted key -> the comment on its line in a YAML file laid out one key per line."""
-    comments, parents = {}, []  # parents: (indent, key) of the enclosing sections
-    for line in path.read_text().splitlines():
+    return {
+        dotted: match["comment"].strip()
+        for dotted, match in keyed_lines(path.read_text())
+        if dotted and match["comment"]
+    }
+
+
+def keyed_lines(text: str) -> list[tuple[str | None, re.Match | None]]:
+    """Each line of YAML ``text`` laid out one key per line: its dotted key and match, or
+    ``(None, None)`` for a line that holds no key (a list item, a blank)."""
+    lines, parents = [], []  # parents: (indent, key) of the enclosing sections
+    for line in text.splitlines():
         match = _LINE.match(line)
         if not match:
+            lines.append((None, None))
             continue
         indent = len(match["indent"])
         parents = [(depth, key) for depth, key in parents if depth < indent]
-        dotted = ".".join([key for _, key in parents] + [match["key"]])
-        if match["comment"]:
-            comments[dotted] = match["comment"].strip()
+        lines.append((".".join([key for _, key in parents] + [match["key"]]), match))
         parents.append((indent, match["key"]))
-    return comments
+    return lines
+
+
+def annotated_config(cfg: DictConfig, sources: dict[str, str]) -> str:
+    """``--print-config``: the resolved config as YAML, each value that did not come from
+    config.yaml followed by where it came from, e.g. ``lr: 0.001  # command line``."""
+    text = OmegaConf.to_yaml(cfg)
+    out = []
+    for line, (dotted, _) in zip(text.splitlines(), keyed_lines(text), strict=True):
+        source = sources.get(dotted) if dotted else None
+        out.append(f"{line}  # {source}" if source and source != CONFIG_YAML else line)
+    return "\n".join(out) + "\n"
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -13,26 +13,77 @@ package, so it can be read, linted and tested on its own. It defines:
     that family: the standard setups, such as DQN's on Atari.
 ``Config``
     A dataclass of hyperparameters with defaults, mounted at ``algo`` in the run config.
-    Replay recipes need ``batch_size``, ``updates_per_batch`` and ``learning_starts``;
-    on-policy recipes need ``epochs`` and ``minibatch_size``. A ``max_grad_norm`` (if
-    any, and not None) clips the gradients before each optimizer step.
+    The learner's loop reads ``CONFIG_FIELDS`` from it.
 ``Agent(cfg, env)``
-    An ``nn.Module`` holding every trained parameter. The runtime wraps it in DDP, so its
-    ``forward(batch)`` returns ``(loss, metrics)`` and DDP all-reduces the gradients. It has
-    ``uses_replay``, ``policy`` (what the collector runs; greedy evaluation runs it in
-    deterministic mode), ``make_optimizers()`` (named optimizers),
-    ``optimizers_to_step(update)`` (the names that step at this update),
-    ``after_collect(batch, frames)`` and ``after_update(update)``; replay recipes also
-    ``batch_keys`` (the keys a replay batch needs) and ``priority_key``.
+    An ``nn.Module`` holding every trained parameter, with the members of ``AgentProtocol``
+    below (and ``batch_keys`` in a replay recipe).
 
+``load`` checks all of this when a recipe loads and names what is missing in one line.
 docs/adding-a-recipe.md explains each part and adds a recipe step by step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Mapping
 from types import ModuleType
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
+
+from ..envs import CONTINUOUS, DISCRETE, make_env
+
+# The hyperparameters the learner's loops read, by Agent.uses_replay.
+CONFIG_FIELDS = {
+    True: ("batch_size", "updates_per_batch", "learning_starts"),
+    False: ("epochs", "minibatch_size"),
+}
+GUIDE = "docs/adding-a-recipe.md"
+
+
+class AgentProtocol(Protocol):
+    """What the runtime uses of a recipe's ``Agent``, besides being an ``nn.Module``."""
+
+    uses_replay: bool
+    """True: the learners sample from replay; False: each trains on what it just collected"""
+    action_spaces: tuple[str, ...]
+    """the env action spaces this recipe fits: DISCRETE, CONTINUOUS or both"""
+
+    @property
+    def policy(self) -> TensorDictModuleBase:
+        """What the collector acts with (it shares the agent's parameters)."""
+
+    def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The named optimizers over the agent's parameters (checkpoints keep each by name)."""
+
+    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
+        """Per-batch work: exploration annealing, or advantages written into ``batch``."""
+
+    def forward(
+        self, batch: TensorDictBase
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``(loss, priorities, metrics)`` for a batch: priorities per transition in a replay
+        recipe (None in an on-policy one), and scalar tensors to log."""
+
+    def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
+        """What happens after backward, at update ``update`` (from 1): which optimizers
+        step, gradient clipping, target networks."""
+
+
+# Every member the protocol declares: its annotated attributes and its methods.
+AGENT_MEMBERS = (
+    *AgentProtocol.__annotations__,
+    *(name for name in vars(AgentProtocol) if not name.startswith("_")),
+)
+
+
+class RecipeError(ValueError):
+    """A recipe that does not follow the contract above, in one line."""
 
 
 def available() -> list[str]:
@@ -40,6 +91,53 @@ def available() -> list[str]:
 
 
 def load(name: str) -> ModuleType:
+    """The recipe module ``name``, checked against the contract."""
     if name not in available():
-        raise ValueError(f"unknown recipe '{name}' (available: {', '.join(available())})")
-    return importlib.import_module(f"{__name__}.{name}")
+        raise RecipeError(f"unknown recipe '{name}' (available: {', '.join(available())})")
+    module = importlib.import_module(f"{__name__}.{name}")
+    check(name, module)
+    return module
+
+
+def check(name: str, module: ModuleType) -> None:
+    """Raise RecipeError naming the first thing ``module`` lacks."""
+
+    def broken(what: str) -> RecipeError:
+        return RecipeError(f"recipe {name}: {what} (see {GUIDE})")
+
+    for required in ("RUN_DEFAULTS", "Config", "Agent"):
+        if not hasattr(module, required):
+            raise broken(f"defines no {required}")
+    if not dataclasses.is_dataclass(module.Config):
+        raise broken("Config is not a dataclass")
+    agent = module.Agent
+    if not (isinstance(agent, type) and issubclass(agent, torch.nn.Module)):
+        raise broken("Agent is not an nn.Module")
+    for member in AGENT_MEMBERS:
+        # nn.Module's own forward raises: a recipe must define its own.
+        if getattr(agent, member, None) is getattr(torch.nn.Module, member, None):
+            raise broken(f"Agent has no {member}")
+    if not agent.action_spaces or set(agent.action_spaces) - {DISCRETE, CONTINUOUS}:
+        raise broken(f"Agent.action_spaces must name {DISCRETE!r}, {CONTINUOUS!r} or both")
+    if agent.uses_replay and not hasattr(agent, "batch_keys"):
+        raise broken("Agent uses replay but has no batch_keys")
+    fields = {field.name for field in dataclasses.fields(module.Config)}
+    missing = [field for field in CONFIG_FIELDS[bool(agent.uses_replay)] if field not in fields]
+    if missing:
+        loop = "off_policy" if agent.uses_replay else "on_policy"
+        raise broken(f"Config has no {missing[0]}, which learner.{loop} reads")
+
+
+def make_agent(
+    recipe: ModuleType, algo: Any, env: Mapping[str, Any] | str, num_envs: int = 1
+) -> torch.nn.Module:
+    """``recipe``'s Agent with hyperparameters ``algo`` (its Config, or a mapping of the
+    Config's fields such as a run config's ``algo``), its layers sized by a batch of
+    ``num_envs`` copies of ``env``."""
+    if not isinstance(algo, recipe.Config):
+        algo = recipe.Config(**(OmegaConf.to_container(algo) if isinstance(algo, DictConfig) else algo))
+    spec_env = make_env(env, num_envs, seed=0)
+    try:
+        return recipe.Agent(algo, spec_env)
+    finally:
+        spec_env.close()

@@ -7,7 +7,7 @@ and the watchdog's store as the rank after the learners', serves its shard until
 learners are done, and leaves with the RPC world's shutdown. It stops with the run on a
 failure, and on its own when rank 0 is gone (the watchdog compares its parent's pid).
 
-They are started as ``python -m <package>.replay_server`` rather than with
+They are started as ``python -m <package>.distributed.replay_processes`` rather than with
 multiprocessing: each gets an environment of its own (no GPU, its rank) and a command line
 that ``ps`` and ``top`` tell apart from the learners'. The run's configuration reaches
 them as the ``config.yaml`` rank 0's recorder wrote into run_dir.
@@ -22,21 +22,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, logs, recipes, topology
-from .replay import ReplayShard
+from .. import checkpoint, logs
+from ..replay import ReplayShard
+from . import topology
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
 def make_shard(
-    cfg: DictConfig, recipe: ModuleType, plan: topology.Topology, resumed: dict | None
+    cfg: DictConfig, plan: topology.Topology, resumed: checkpoint.Checkpoint | None
 ) -> ReplayShard:
     """This process's shard of the replay buffer, holding its part of a checkpoint's replay
     when the run resumes (saved by any number of shards: with another number, the
@@ -47,13 +47,12 @@ def make_shard(
         math.ceil(cfg.replay.capacity / shards),
         cfg.replay.alpha,
         cfg.replay.beta,
-        recipe.Agent.priority_key,
         shard=index,
         storage=cfg.replay.storage,
         directory=Path(cfg.replay.directory) / f"shard-{index}",
     )
-    if resumed and resumed["replay"]:
-        saved = [Path(resumed["folder"]) / f"replay-{i}" for i in range(resumed["replay_shards"])]
+    if resumed and resumed.replay:
+        saved = [resumed.folder / f"replay-{i}" for i in range(resumed.replay_shards)]
         shard.restore(saved, index, shards)
     return shard
 
@@ -91,7 +90,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, required=True, help="the RPC port; the watchdog's is the next")
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(args.config)
-    recipe = recipes.load(cfg.recipe)
     plan = topology.Topology.plan(args.learners, args.rank, cfg.replay.ranks, uses_replay=True)
     logs.setup(plan.rank, plan.role)
     # Tree searches and gathers of a few hundred rows gain nothing from more threads.
@@ -99,8 +97,7 @@ def main(argv: list[str]) -> int:
     parent = f"rank 0 ({topology.LEARNER})"
     watchdog = Watchdog(plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent)
     with watchdog.watching():
-        resumed = checkpoint.check_resume(cfg, *plan.layout(uses_replay=True)) if cfg.resume else None
-        topology.host("replay", make_shard(cfg, recipe, plan, resumed))
+        topology.host("replay", make_shard(cfg, plan, checkpoint.check_resume(cfg)))
         topology.connect(plan, args.address, args.port, cfg.rpc.timeout, cfg.learners.timeout)
         topology.disconnect(plan)
     return 0

@@ -1,10 +1,10 @@
-"""DD-PPO's preemption threshold: a slow learner no longer holds the others back.
+"""DD-PPO's straggler threshold: a slow learner no longer holds the others back.
 
 On-policy learners train together on what they just collected, so in lockstep each would
-wait for the slowest one's rollout. Wijmans et al. (2020) stop collection for everyone once
-a fraction of the learners (``collector.sync_frac``) have collected a full rollout; the
-others keep what they have, provided it is at least ``collector.min_rollout_frac`` of a
-rollout, and everyone trains.
+wait for the slowest one's rollout. Wijmans et al. (2020), who call it the preemption
+threshold, stop collection for everyone once a fraction of the learners
+(``collector.sync_frac``) have collected a full rollout; the others keep what they have,
+provided it is at least ``collector.min_rollout_frac`` of a rollout, and everyone trains.
 
 The count of finished rollouts lives in the run's key-value store (the watchdog's
 ``TCPStore`` on rank 0; the paper uses a TCPStore counter too). A learner that finishes
@@ -38,7 +38,7 @@ KEY = "rollouts_done"
 CHUNKS = 8
 
 
-class Preemption:
+class StragglerThreshold:
     """One learner's side of the threshold: cuts its rollouts and counts what it collected."""
 
     def __init__(

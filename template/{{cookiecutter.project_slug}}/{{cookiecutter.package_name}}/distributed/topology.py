@@ -2,7 +2,7 @@
 
 Every rank Fabric launches is a learner (ranks 0 .. N-1), so on an N-GPU node all N GPUs
 train. A replay recipe on several learners adds ``replay.ranks`` CPU processes that rank
-0 starts beside them (replay_server.py), each hosting one replay shard; they join the RPC
+0 starts beside them (replay_processes.py), each hosting one replay shard; they join the RPC
 world and the watchdog's store as ranks N .. N+R-1, and never Fabric's process group.
 Rank 0 also keeps the run's records (metrics, summary.json). Objects a process serves over
 RPC are registered with ``host`` and reached from any rank through ``handle``.
@@ -24,8 +24,6 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from lightning_fabric.plugins.environments import SLURMEnvironment
 
-from .config import ConfigError
-
 REPLAY = "replay"
 LEARNER = "learner"
 
@@ -44,8 +42,6 @@ class Topology:
         if learners == 1:
             return cls(rank, 1, (), (0,))
         replay = replay_ranks if uses_replay else 0
-        if uses_replay and replay < 1:
-            raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several learners")
         return cls(rank, learners + replay, tuple(range(learners, learners + replay)), tuple(range(learners)))
 
     @property

@@ -1,4 +1,4 @@
-"""DD-PPO's preemption threshold on real ranks: a slow learner's rollouts are cut, frames
+"""DD-PPO's straggler threshold on real ranks: a slow learner's rollouts are cut, frames
 add up, the learners stay identical, a dead learner stops the run; and the arithmetic of
 the minibatches of learners whose rollouts differ."""
 
@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from {{ cookiecutter.package_name }} import checkpoint, config, recipes
-from {{ cookiecutter.package_name }}.preemption import chunk_steps, minibatches
+from {{ cookiecutter.package_name }}.distributed.stragglers import chunk_steps, minibatches
 
 from .conftest import (
     PROJECT,
@@ -114,7 +114,7 @@ def test_a_slow_learner_is_cut_short_the_frames_add_up_and_the_run_resumes(tmp_p
     assert len(set(summary["learner_param_checksums"].values())) == 1  # the learners stayed identical
 
     last = checkpoint.latest(tmp_path)
-    saved = checkpoint.read_meta(last)["frames"]
+    saved = checkpoint.Meta.read(last).frames
     assert 1024 <= saved < 1536 + 3 * 256
     summary = read_summary(run_command(straggler_run("total_frames=3072", *first, f"resume={tmp_path}")))
     assert summary["resumed_from"] == str(last)
