@@ -102,6 +102,11 @@ class Watchdog:
         """Watch the other ranks and catch stop signals while the block runs. An exception
         in the block is logged, told to the other ranks, and ends this process with code 1."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        if self.store is not None:
+            # The first beat now, not a second from now: every rank beats before it can reach
+            # the RPC world's rendezvous, so a rank that dies once training has begun is
+            # "stopped" after timeout_s, never "did not start" (the start-up's allowance).
+            self.store.add(f"beat/{self.topology.rank}", 1)
         if self.store is not None or self.parent is not None:
             self._thread.start()
         try:
