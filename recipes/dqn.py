@@ -8,6 +8,7 @@ network for MinAtar grids), epsilon-greedy exploration, the loss and the target 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -161,7 +162,7 @@ class Agent(nn.Module):
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"adam": torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)}
 
-    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
+    def after_collect(self, batch: TensorDictBase, frames: int, sum_over_learners: Callable) -> None:
         """Anneal epsilon by the frames all learners collected in this step, in closed form:
         ``EGreedyModule.step(frames)`` loops once per frame. Epsilon is a buffer of the
         exploration module, so checkpoints keep it."""

@@ -2,23 +2,35 @@
 
 Schulman et al. (2017), distributed as in Wijmans et al. (2020): there is no replay rank;
 every rank collects with its own environments and trains on what it collected, and DDP
-averages the gradients of each minibatch over all ranks. Every rank collects the same
-number of frames per step, so the ranks always run the same number of minibatches and the
-all-reduces pair up however the episodes end. This file owns the actor, the critic, the
-advantage estimate and the loss.
+averages the gradients of each minibatch over all ranks. This file owns the networks (an
+MLP for vectors; the Nature-DQN convolutions for Atari frames and the MinAtar network for
+MinAtar grids, a trunk shared by actor and critic), the policy (categorical for discrete
+actions, a Gaussian with a state-independent standard deviation for continuous ones), the
+observation and reward normalisation that continuous control wants, the advantage
+estimate and the loss.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModule
+from tensordict.nn import AddStateIndependentNormalScale, TensorDictModule, TensorDictSequential
 from torch import nn
 from torchrl.envs import EnvBase
-from torchrl.modules import MLP, OneHotCategorical, ProbabilisticActor, ValueOperator
+from torchrl.modules import (
+    MLP,
+    ActorValueOperator,
+    ConvNet,
+    IndependentNormal,
+    OneHotCategorical,
+    ProbabilisticActor,
+    ValueOperator,
+)
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
@@ -26,19 +38,91 @@ RUN_DEFAULTS = {
     "env": {"id": "CartPole-v1", "num_envs": 8},
     "collector": {"frames_per_batch": 256},
     "total_frames": 200_000,
-    # The learning rate decays over the run's whole budget, whatever total_frames is set to.
-    "algo": {"lr_decay_frames": "${total_frames}"},
+    # The learning rate and the clip range decay over the run's whole budget (the SB3 zoo's
+    # lin_0.001 and lin_0.2), whatever total_frames is set to.
+    "algo": {"lr_decay_frames": "${total_frames}", "clip_decay_frames": "${total_frames}"},
+}
+
+# CleanRL's ppo_atari.py (Schulman et al. 2017's Atari settings): 8 envs x 128 steps, 4
+# minibatches, 4 epochs, Adam at 2.5e-4 (eps 1e-5) annealed to 0, clip 0.1, entropy 0.01,
+# the value loss clipped and weighted 0.5 x its 0.5 x squared error, GAE 0.95, gamma 0.99,
+# gradient norm 0.5, orthogonal initialisation; life loss and clipped rewards for training.
+ATARI = {
+    "env": {"num_envs": 8, "life_loss": True, "clip_rewards": True},
+    "collector": {"frames_per_batch": 1024},
+    "total_frames": 10_000_000,
+    "algo": {
+        "hidden_sizes": [512],
+        "lr": 2.5e-4,
+        "adam_eps": 1e-5,
+        "gamma": 0.99,
+        "gae_lambda": 0.95,
+        "clip_epsilon": 0.1,
+        "clip_decay_frames": None,
+        "entropy_coeff": 0.01,
+        "critic_coeff": 0.25,
+        "critic_loss": "l2",
+        "clip_value": True,
+        "epochs": 4,
+        "minibatch_size": 256,
+        "orthogonal_init": True,
+    },
+}
+FAMILY_DEFAULTS = {
+    "atari": ATARI,
+    # The same algorithm on the MinAtar network (Young & Tian 2019: one 3x3 convolution of 16
+    # channels, 128 units), without life loss or reward clipping (MinAtar has neither lives
+    # nor large rewards); 5M steps, the MinAtar paper's budget.
+    "minatar": {
+        "env": {"num_envs": 8},
+        "collector": ATARI["collector"],
+        "total_frames": 5_000_000,
+        "algo": {**ATARI["algo"], "hidden_sizes": [128]},
+    },
+    # CleanRL's ppo_continuous_action.py: 1 env x 2048 steps, 32 minibatches, 10 epochs,
+    # Adam at 3e-4 (eps 1e-5) annealed to 0, clip 0.2, no entropy bonus, the clipped value
+    # loss as above, tanh MLPs of 64 x 64 for the actor and the critic, a state-independent
+    # log standard deviation, actions clipped by the environment, observations normalised
+    # and clipped to 10, rewards scaled by the running deviation of the discounted return
+    # and clipped to 10; 1M steps.
+    "mujoco": {
+        "env": {"num_envs": 1},
+        "collector": {"frames_per_batch": 2048},
+        "total_frames": 1_000_000,
+        "algo": {
+            "hidden_sizes": [64, 64],
+            "lr": 3e-4,
+            "adam_eps": 1e-5,
+            "gamma": 0.99,
+            "gae_lambda": 0.95,
+            "clip_epsilon": 0.2,
+            "clip_decay_frames": None,
+            "entropy_coeff": 0.0,
+            "critic_coeff": 0.25,
+            "critic_loss": "l2",
+            "clip_value": True,
+            "epochs": 10,
+            "minibatch_size": 64,
+            "orthogonal_init": True,
+            "normalize_observations": True,
+            "scale_rewards": True,
+        },
+    },
 }
 
 
 @dataclass
 class Config:
-    """PPO hyperparameters: the SB3 zoo's CartPole setting (8 envs x 32 steps per batch)."""
+    """PPO hyperparameters: the SB3 zoo's CartPole setting (8 envs x 32 steps per batch, with
+    SB3's own defaults: the squared-error value loss weighted 0.5, Adam's epsilon 1e-5,
+    orthogonal initialisation); FAMILY_DEFAULTS has CleanRL's for Atari, MinAtar and MuJoCo."""
 
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
-    """units of the hidden layers of the actor and of the critic"""
+    """units of the hidden layers of the actor and of the critic (for images: of their shared trunk)"""
     lr: float = 1e-3
     """Adam's initial learning rate"""
+    adam_eps: float = 1e-5
+    """Adam's epsilon"""
     # Decayed as in the zoo: held constant, 1e-3 reached 500 on CartPole here and then
     # fell back to about 150 for tens of thousands of frames.
     lr_decay_frames: int | None = None
@@ -49,49 +133,64 @@ class Config:
     """GAE's lambda: the bias-variance trade-off of the advantages"""
     clip_epsilon: float = 0.2
     """the clip range of the probability ratio"""
+    clip_decay_frames: int | None = None
+    """frames (all learners) over which the clip range falls linearly to 0; null: constant"""
     entropy_coeff: float = 0.0
     """weight of the entropy bonus in the loss"""
     critic_coeff: float = 0.5
     """weight of the value loss in the loss"""
+    critic_loss: str = "l2"
+    """the value loss's distance: l2 (the squared error) or smooth_l1"""
+    clip_value: bool = False
+    """clip the value estimate's change to clip_epsilon, as the ratio (CleanRL's clip_vloss)"""
     max_grad_norm: float | None = 0.5
     """the gradients' norm is clipped to this before each step; null: no clipping"""
     epochs: int = 20
     """passes over each collected batch"""
     minibatch_size: int = 256
     """frames per minibatch, per rank"""
+    orthogonal_init: bool = True
+    """orthogonal weights (gain sqrt 2; 0.01 for the actor's output, 1 for the critic's) and zero biases"""
+    normalize_observations: bool = False
+    """observations standardised by their running mean and variance over all learners, clipped to 10"""
+    scale_rewards: bool = False
+    """rewards divided by the running deviation of the discounted return, clipped to 10 (training only)"""
 
 
 class Agent(nn.Module):
     """The actor and the critic, the policy built from them, and the PPO loss.
 
-    The runtime wraps this module in DDP, so ``forward`` computes the loss. Discrete action
-    spaces (one-hot, as torchrl's gymnasium wrapper gives them) only.
+    The runtime wraps this module in DDP, so ``forward`` computes the loss.
     """
 
     uses_replay = False
-    action_spaces = ("discrete",)
+    action_spaces = ("discrete", "continuous")
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
         self.cfg = cfg
         action_spec = env.action_spec_unbatched
-        observations = env.observation_spec["observation"].shape[-1]
-        hidden = list(cfg.hidden_sizes)
-        self.actor = ProbabilisticActor(
-            TensorDictModule(
-                MLP(in_features=observations, out_features=action_spec.shape[-1], num_cells=hidden),
-                in_keys=["observation"],
-                out_keys=["logits"],
-            ),
-            in_keys=["logits"],
-            spec=action_spec,
-            distribution_class=OneHotCategorical,
-            return_log_prob=True,
-        )
-        self.critic = ValueOperator(
-            MLP(in_features=observations, out_features=1, num_cells=hidden),
-            in_keys=["observation"],
-        )
+        observation_shape = env.observation_spec_unbatched["observation"].shape
+        continuous = action_spec.dtype.is_floating_point
+        actions = action_spec.shape[-1]
+        # What the networks read: the observation, or its normalised copy, which the policy
+        # writes into each collected frame as it acts (so training sees what acting saw).
+        self.observation_key = "observation"
+        self.normalizer = None
+        if cfg.normalize_observations:
+            self.normalizer = RunningNorm(observation_shape)
+            self.observation_key = "observation_normalized"
+        if len(observation_shape) == 3:
+            if continuous:
+                raise ValueError("ppo: image observations take discrete actions only")
+            self.actor, self.critic = shared_trunk(
+                observation_shape, actions, cfg, action_spec, self.observation_key
+            )
+        else:
+            self.actor, self.critic = separate_mlps(
+                observation_shape[0], actions, continuous, cfg, action_spec, self.observation_key
+            )
+        self.rewards = RewardScale(cfg.gamma) if cfg.scale_rewards else None
         self.advantage = GAE(
             gamma=cfg.gamma, lmbda=cfg.gae_lambda, value_network=self.critic, average_gae=False
         )
@@ -104,13 +203,21 @@ class Agent(nn.Module):
             clip_epsilon=cfg.clip_epsilon,
             entropy_coeff=cfg.entropy_coeff,
             critic_coeff=cfg.critic_coeff,
+            loss_critic_type=cfg.critic_loss,
+            clip_value=cfg.clip_value,
             normalize_advantage=True,
         )
 
     @property
-    def policy(self) -> ProbabilisticActor:
-        """The collector's policy: samples actions and records their log-probabilities."""
-        return self.actor
+    def policy(self) -> TensorDictModule:
+        """The collector's policy: samples actions and records their log-probabilities (and,
+        with normalised observations, the normalised observation it acted on)."""
+        if self.normalizer is None:
+            return self.actor
+        normalize = TensorDictModule(
+            self.normalizer, in_keys=["observation"], out_keys=[self.observation_key]
+        )
+        return TensorDictSequential(normalize, self.actor)
 
     def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, None, dict[str, torch.Tensor]]:
         """Loss on a minibatch that ``after_collect`` gave advantages to (no priorities:
@@ -125,7 +232,7 @@ class Agent(nn.Module):
         return loss, None, metrics
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        adam = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)
+        adam = torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr, eps=self.cfg.adam_eps)
         self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(adam, self.lr_factor)
         return {"adam": adam}
 
@@ -138,20 +245,33 @@ class Agent(nn.Module):
         return max(0.0, 1.0 - self.frames_seen.item() / self.cfg.lr_decay_frames)
 
     @torch.no_grad()
-    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
-        """Advantages and value targets for the batch just collected, with the critic as it
-        was when the batch was collected (GAE runs along the batch's last, time dimension),
-        and the learning rate for the updates on it."""
+    def after_collect(
+        self, batch: TensorDictBase, frames: int, sum_over_learners: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Advantages and value targets for the batch just collected, with the critic and
+        the normalisation as they were when it was collected (GAE runs along the batch's
+        last, time dimension); then the normalisation statistics take in this batch (all
+        learners' batches, through ``sum_over_learners``), and the learning rate is set for
+        the updates on it."""
+        if self.normalizer is not None:
+            batch["next", self.observation_key] = self.normalizer(batch["next", "observation"])
+        if self.rewards is not None:
+            self.rewards.scale(batch, sum_over_learners)
         self.advantage(batch)
-        # A batch trains at the rate of the frames collected before it (CleanRL's schedule):
-        # the first one at the initial rate, and each step of the scheduler comes after the
-        # optimizer's steps on the batch before.
+        if self.normalizer is not None:
+            self.normalizer.update(batch["observation"], sum_over_learners)
+        # A batch trains at the rate and clip range of the frames collected before it
+        # (CleanRL's schedule): the first one at the initial values, and each step of the
+        # scheduler comes after the optimizer's steps on the batch before.
         if self.lr_schedule is not None and self.frames_seen > 0:
             with warnings.catch_warnings():
                 # torch warns when a resumed run's scheduler steps before its fresh optimizer
                 # has: that would skip a value of a schedule by step count, not of this one.
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
                 self.lr_schedule.step()
+        if self.cfg.clip_decay_frames:
+            remaining = max(0.0, 1.0 - self.frames_seen.item() / self.cfg.clip_decay_frames)
+            self.loss_module.clip_epsilon.fill_(self.cfg.clip_epsilon * remaining)
         self.frames_seen += frames
 
     def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
@@ -160,3 +280,168 @@ class Agent(nn.Module):
         if self.cfg.max_grad_norm is not None:
             nn.utils.clip_grad_norm_(self.parameters(), self.cfg.max_grad_norm)
         optimizers["adam"].step()
+
+
+def separate_mlps(observations, actions, continuous, cfg, action_spec, observation_key):
+    """An actor and a critic MLP of their own (tanh, as CleanRL's): categorical logits for
+    discrete actions, or a Gaussian's mean with a learned state-independent log standard
+    deviation (starting at 0) for continuous ones, sampled unbounded: the env clips the
+    action it gets, and training keeps the sampled one, whose log-probability it is."""
+    hidden = list(cfg.hidden_sizes)
+    actor_network = MLP(in_features=observations, out_features=actions, num_cells=hidden)
+    critic_network = MLP(in_features=observations, out_features=1, num_cells=hidden)
+    if cfg.orthogonal_init:
+        orthogonal_init(actor_network, output_gain=0.01)
+        orthogonal_init(critic_network, output_gain=1.0)
+    if continuous:
+        actor_network = nn.Sequential(actor_network, AddStateIndependentNormalScale(actions, scale_lb=1e-8))
+        out_keys, distribution = ["loc", "scale"], IndependentNormal
+    else:
+        out_keys, distribution = ["logits"], OneHotCategorical
+    actor = ProbabilisticActor(
+        TensorDictModule(actor_network, in_keys=[observation_key], out_keys=out_keys),
+        in_keys=out_keys,
+        spec=action_spec,
+        distribution_class=distribution,
+        return_log_prob=True,
+    )
+    return actor, ValueOperator(critic_network, in_keys=[observation_key])
+
+
+def shared_trunk(observation_shape, actions, cfg, action_spec, observation_key):
+    """A convolutional trunk shared by the actor's and the critic's linear heads, on uint8
+    images (made floats in the trunk, on the learner's device): the Nature-DQN convolutions
+    for frames of 36 pixels or more (Atari's 84x84), else the MinAtar network's one 3x3
+    convolution; then ``hidden_sizes`` units."""
+    channels, height, _ = observation_shape
+    if height >= 36:
+        convolutions = ConvNet(
+            channels,
+            num_cells=[32, 64, 64],
+            kernel_sizes=[8, 4, 3],
+            strides=[4, 2, 1],
+            activation_class=nn.ReLU,
+        )
+        scale = 255.0  # grey levels
+    else:
+        convolutions = ConvNet(
+            channels, num_cells=[16], kernel_sizes=[3], strides=[1], activation_class=nn.ReLU
+        )
+        scale = 1.0  # MinAtar's channels are 0 or 1
+    with torch.no_grad():
+        features = convolutions(torch.zeros(1, *observation_shape)).shape[-1]
+    dense = MLP(
+        features,
+        cfg.hidden_sizes[-1],
+        num_cells=list(cfg.hidden_sizes[:-1]),
+        activation_class=nn.ReLU,
+        activate_last_layer=True,
+    )
+    trunk = nn.Sequential(ToFloat(scale), convolutions, dense)
+    actor_head, critic_head = nn.Linear(cfg.hidden_sizes[-1], actions), nn.Linear(cfg.hidden_sizes[-1], 1)
+    if cfg.orthogonal_init:
+        orthogonal_init(trunk, output_gain=math.sqrt(2))
+        orthogonal_init(actor_head, output_gain=0.01)
+        orthogonal_init(critic_head, output_gain=1.0)
+    operator = ActorValueOperator(
+        TensorDictModule(trunk, in_keys=[observation_key], out_keys=["hidden"]),
+        ProbabilisticActor(
+            TensorDictModule(actor_head, in_keys=["hidden"], out_keys=["logits"]),
+            in_keys=["logits"],
+            spec=action_spec,
+            distribution_class=OneHotCategorical,
+            return_log_prob=True,
+        ),
+        ValueOperator(critic_head, in_keys=["hidden"]),
+    )
+    return operator.get_policy_operator(), operator.get_value_operator()
+
+
+def orthogonal_init(network: nn.Module, output_gain: float) -> None:
+    """CleanRL's ``layer_init``: every linear and convolutional layer orthogonal with gain
+    sqrt(2) and zero bias, its last layer with ``output_gain``."""
+    layers = [module for module in network.modules() if isinstance(module, (nn.Linear, nn.Conv2d))]
+    for layer in layers:
+        nn.init.orthogonal_(layer.weight, math.sqrt(2) if layer is not layers[-1] else output_gain)
+        nn.init.zeros_(layer.bias)
+
+
+class ToFloat(nn.Module):
+    """uint8 images (one byte per value from the env, through the collector) become floats
+    here, on the network's device. torch has no module for a dtype cast with a scale."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return images.float().div_(self.scale)
+
+
+class RunningMoments(nn.Module):
+    """The running mean and variance of values seen in batches (Chan et al.'s parallel
+    update, as gymnasium's ``RunningMeanStd``), every batch of every learner counted: each
+    update sums its batch's count, sum and sum of squares over the learners first, so the
+    statistics are the same on every learner. Buffers: checkpoints and the final agent
+    keep them."""
+
+    def __init__(self, shape: torch.Size | tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.tensor(1e-4, dtype=torch.float64))  # gymnasium's start
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+
+    def update(self, values: torch.Tensor, sum_over_learners: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        values = values.reshape(-1, *self.mean.shape).double()
+        local = torch.cat(
+            [values.new_tensor([len(values)]), values.sum(0).flatten(), values.square().sum(0).flatten()]
+        )
+        total = sum_over_learners(local.to(self.mean.device))
+        count, sums, squares = total[0], *total[1:].view(2, *self.mean.shape)
+        batch_mean = sums / count
+        batch_var = (squares / count - batch_mean.square()).clamp(min=0)
+        delta, combined = batch_mean - self.mean, self.count + count
+        self.mean += delta * count / combined
+        self.var.copy_(
+            (self.var * self.count + batch_var * count + delta.square() * self.count * count / combined)
+            / combined
+        )
+        self.count.copy_(combined)
+
+
+class RunningNorm(RunningMoments):
+    """Observations standardised by the running moments and clipped to +-10 (CleanRL's
+    ``NormalizeObservation`` and its clip)."""
+
+    CLIP = 10.0
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        scaled = (observation - self.mean) / torch.sqrt(self.var + 1e-8)
+        return scaled.clamp(-self.CLIP, self.CLIP).to(observation.dtype)
+
+
+class RewardScale(nn.Module):
+    """Training rewards divided by the running deviation of each env copy's discounted
+    return and clipped to +-10: CleanRL's ``NormalizeReward`` (gymnasium's) and its clip.
+    The copies' returns so far carry from one batch to the next (not saved: a resumed run
+    starts new episodes); the deviation's moments are the learners' and a buffer."""
+
+    CLIP = 10.0
+
+    def __init__(self, gamma: float) -> None:
+        super().__init__()
+        self.gamma = gamma
+        self.moments = RunningMoments()
+        self.returns: torch.Tensor | None = None  # each env copy's discounted return so far
+
+    def scale(self, batch: TensorDictBase, sum_over_learners: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        reward, terminated = batch["next", "reward"], batch["next", "terminated"]
+        returns = torch.empty_like(reward)
+        running = torch.zeros_like(reward[:, 0]) if self.returns is None else self.returns
+        for step in range(reward.shape[1]):  # [env copies, steps]: time runs along dim 1
+            running = running * self.gamma * (~terminated[:, step]) + reward[:, step]
+            returns[:, step] = running
+        self.returns = running
+        self.moments.update(returns, sum_over_learners)
+        deviation = torch.sqrt(self.moments.var + 1e-8).to(reward.dtype)
+        batch["next", "reward"] = (reward / deviation).clamp(-self.CLIP, self.CLIP)

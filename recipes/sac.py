@@ -7,6 +7,7 @@ critics, the loss and the Polyak-averaged target critics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -167,7 +168,7 @@ class Agent(nn.Module):
             "alpha": torch.optim.Adam([loss_module.log_alpha], lr=cfg.q_lr),
         }
 
-    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
+    def after_collect(self, batch: TensorDictBase, frames: int, sum_over_learners: Callable) -> None:
         """Nothing to do: exploration is the actor's own noise."""
 
     def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:

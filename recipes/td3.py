@@ -10,6 +10,7 @@ defaults are a short Pendulum run that needs no extra.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -161,7 +162,7 @@ class Agent(nn.Module):
             "actor": torch.optim.Adam(loss_module.actor_network_params.parameters(), lr=lr),
         }
 
-    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
+    def after_collect(self, batch: TensorDictBase, frames: int, sum_over_learners: Callable) -> None:
         """Nothing to do: the exploration noise is constant."""
 
     def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:

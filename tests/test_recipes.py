@@ -51,7 +51,7 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
 
     with torch.no_grad():  # as the runtime's collector
         batch = env.rollout(16, agent.policy, break_when_any_done=False)  # [2 envs, 16 steps]
-    agent.after_collect(batch, 32)
+    agent.after_collect(batch, 32, lambda values: values)  # one learner: its own sums
     batch = batch.reshape(-1)
     if recipe.Agent.uses_replay:
         batch = batch.select(*agent.batch_keys)

@@ -266,6 +266,11 @@ def pendulum_agent_and_batch(recipe, batch_size: int = 32):
     return agent, frames, batch
 
 
+def one_learner(values: torch.Tensor) -> torch.Tensor:
+    """``sum_over_learners`` in a run of one learner: the values themselves."""
+    return values
+
+
 def collect_one_batch(env, policy, frames: int):
     """One batch of ``frames`` from torchrl's Collector, as the learner's sync mode collects it."""
     collector = Collector(

@@ -14,7 +14,7 @@ from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import dqn
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
-from .conftest import ATARI_SHORT, collect_one_batch, family_run, load_script
+from .conftest import ATARI_SHORT, collect_one_batch, family_run, load_script, one_learner
 
 train = load_script("train")
 evaluate = load_script("evaluate")
@@ -66,12 +66,12 @@ def test_epsilon_anneals_by_frames_in_closed_form_and_checkpoints_keep_it():
     config = dqn.Config(eps_init=1.0, eps_end=0.1, eps_frames=10**12)
     agent = dqn.Agent(config, env)
     # A step per frame would take hours here.
-    agent.after_collect(None, 5 * 10**11)
+    agent.after_collect(None, 5 * 10**11, one_learner)
     assert abs(agent.exploration.eps.item() - 0.55) < 1e-5
     resumed = dqn.Agent(config, env)
     resumed.load_state_dict(agent.state_dict())
     assert resumed.exploration.eps.item() == agent.exploration.eps.item()
-    agent.after_collect(None, 10**13)  # past eps_frames: it stays at eps_end
+    agent.after_collect(None, 10**13, one_learner)  # past eps_frames: it stays at eps_end
     assert abs(agent.exploration.eps.item() - 0.1) < 1e-6
 
 

@@ -1,14 +1,32 @@
-"""The PPO recipe's wiring on a tiny batch, without any distribution."""
+"""The PPO recipe's wiring on a tiny batch, without any distribution; and its runs on
+Atari, MinAtar and MuJoCo on 3 learners (DD-PPO), the normalisation of MuJoCo's
+observations the same on every learner, through resume and evaluate.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from {{ cookiecutter.package_name }} import checkpoint, recipes
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import ppo
 
-from .conftest import collect_one_batch
+from .conftest import (
+    ATARI_SHORT,
+    collect_one_batch,
+    fabric_command,
+    free_port,
+    learners_run,
+    load_script,
+    one_learner,
+    read_summary,
+    run_command,
+)
+
+evaluate = load_script("evaluate")
 
 
 def make_agent_and_batch():
@@ -23,7 +41,7 @@ def make_agent_and_batch():
 def test_advantages_run_along_time_and_stop_at_episode_ends():
     agent, batch = make_agent_and_batch()
     assert batch.batch_size == (4, 40)
-    agent.after_collect(batch, frames=160)
+    agent.after_collect(batch, frames=160, sum_over_learners=one_learner)
     advantage, target, value = batch["advantage"], batch["value_target"], batch["state_value"]
     assert advantage.shape == target.shape == value.shape == (4, 40, 1)
     torch.testing.assert_close(target, advantage + value)
@@ -44,7 +62,7 @@ def test_advantages_run_along_time_and_stop_at_episode_ends():
 
 def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
     agent, batch = make_agent_and_batch()
-    agent.after_collect(batch, frames=160)
+    agent.after_collect(batch, frames=160, sum_over_learners=one_learner)
     minibatch = batch.reshape(-1)[:64]
     loss, priorities, metrics = agent(minibatch)
     assert priorities is None  # nothing is replayed
@@ -65,7 +83,7 @@ def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
 
 def test_the_objective_is_the_clipped_surrogate():
     agent, batch = make_agent_and_batch()
-    agent.after_collect(batch, frames=160)
+    agent.after_collect(batch, frames=160, sum_over_learners=one_learner)
     minibatch = batch.reshape(-1)[:64].clone()
     # Shift the behaviour log-probabilities both ways so that many ratios leave the clip range.
     shift = torch.linspace(-1.0, 1.0, 64).unsqueeze(-1)
@@ -91,7 +109,7 @@ def test_the_learning_rate_falls_with_the_frames_collected_and_a_restored_agent_
     batch = collect_one_batch(env, agent.policy, 160)
     rates = []
     for _ in range(2):
-        agent.after_collect(batch, frames=250)  # e.g. 2 learners' frames
+        agent.after_collect(batch, frames=250, sum_over_learners=one_learner)  # e.g. 2 learners' frames
         rates.append(adam.param_groups[0]["lr"])
         adam.step()
     # Each batch trains at the rate of the frames collected before it.
@@ -104,7 +122,130 @@ def test_the_learning_rate_falls_with_the_frames_collected_and_a_restored_agent_
     optimizers["adam"].load_state_dict(adam.state_dict())
     rates = []
     for _ in range(3):
-        again.after_collect(batch, frames=250)
+        again.after_collect(batch, frames=250, sum_over_learners=one_learner)
         rates.append(optimizers["adam"].param_groups[0]["lr"])
         optimizers["adam"].step()
     assert rates == pytest.approx([0.5e-3, 0.25e-3, 0.0])
+
+
+def test_a_cut_rollout_bootstraps_from_the_value_of_its_next_state():
+    """The straggler threshold cuts rollouts short: a cut is a truncation, never a
+    termination, so the last step of a copy still in its episode bootstraps from the
+    value of its next state."""
+    agent, batch = make_agent_and_batch()
+    cut = batch[:, :7].clone()  # 7 of 40 steps, as a rollout cut short
+    agent.after_collect(cut, frames=28, sum_over_learners=one_learner)
+    going_on = ~cut["next", "done"][:, -1].squeeze(-1)
+    assert going_on.any()
+    with torch.no_grad():
+        next_value = agent.critic(cut["next"][:, -1].clone())["state_value"]
+    last = cut[:, -1]
+    expected = last["next", "reward"] + agent.cfg.gamma * next_value - last["state_value"]
+    torch.testing.assert_close(last["advantage"][going_on], expected[going_on])
+
+
+def test_running_moments_combine_every_learners_batch():
+    """Each learner's update sums count, sum and squares over the learners first: the
+    moments are those of all learners' observations, on every learner."""
+    torch.manual_seed(0)
+    mine, theirs = torch.randn(300, 3) * 2 + 1, torch.randn(100, 3) * 5 - 2
+    moments = ppo.RunningMoments((3,))
+
+    def sum_with_another_learner(values: torch.Tensor) -> torch.Tensor:
+        other = torch.cat([torch.tensor([100.0]), theirs.sum(0), theirs.square().sum(0)]).double()
+        return values + other
+
+    moments.update(mine, sum_with_another_learner)
+    both = torch.cat([mine, theirs]).double()
+    assert moments.count.item() == pytest.approx(400 + 1e-4)
+    torch.testing.assert_close(moments.mean, both.mean(0) * 400 / (400 + 1e-4))
+    torch.testing.assert_close(moments.var, both.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
+
+
+def test_continuous_actions_reach_the_env_within_its_bounds():
+    """A Gaussian policy samples beyond the bounds; the env gets the action clipped, and its
+    action spec keeps the bounds the other recipes squash into."""
+    env = make_env("Pendulum-v1", num_envs=1, seed=0)
+    assert env.action_spec.space.high.max() == 2.0  # not widened to infinity
+    outcomes = []
+    for torque in (2.0, 50.0):
+        env.set_seed(0)
+        state = env.reset()
+        state["action"] = torch.full((1, 1), torque)
+        outcomes.append(env.step(state)["next", "observation"])
+    torch.testing.assert_close(outcomes[0], outcomes[1])
+
+
+# A few hundred frames per family on 3 learners (DD-PPO: no replay process), one minibatch
+# an epoch; pixel games cut at 800 emulator frames.
+FAMILY_RUN = ["env.num_envs=4", "collector.frames_per_batch=64", "total_frames=384", "algo.epochs=1",
+              "algo.minibatch_size=64", "eval.episodes=3", "eval.every=0", "log_every=192"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("env_id", "extra", "observation"),
+    [
+        ("ALE/Breakout-v5", [ATARI_SHORT, "algo.hidden_sizes=[32]"], "uint8 (4, 84, 84)"),
+        ("MinAtar/Breakout-v1", [], "uint8 (4, 10, 10)"),
+    ],
+)
+def test_ppo_on_pixels_trains_three_identical_learners_on_uint8_frames(tmp_path, env_id, extra, observation):
+    pytest.importorskip("ale_py" if env_id.startswith("ALE") else "minatar", reason="needs its extra")
+    result = learners_run(3, "recipe=ppo", f"env.id={env_id}", *FAMILY_RUN, *extra, f"run_dir={tmp_path}")
+    summary = read_summary(result)
+    assert summary["roles"] == {"0": "learner", "1": "learner", "2": "learner"}
+    # The straggler threshold is in force: rollouts may be cut, frames count as collected,
+    # and every learner runs one minibatch (an update) per step however long its rollout.
+    rollouts = list(summary["learner_rollouts"].values())
+    assert summary["frames_collected"] == sum(learner["frames"] for learner in rollouts) >= 384
+    assert all(summary["updates"] == learner["rollouts"] for learner in rollouts)
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+    cfg = OmegaConf.load(tmp_path / "config.yaml")
+    assert cfg.algo.clip_epsilon == 0.1 and cfg.algo.critic_loss == "l2"  # CleanRL's ppo_atari.py
+    env = make_env(cfg.env, 2, seed=0)
+    spec = env.observation_spec["observation"]
+    assert f"{str(spec.dtype).removeprefix('torch.')} {tuple(spec.shape[1:])}" == observation
+    agent = recipes.make_agent(ppo, cfg.algo, cfg.env, 2)
+    batch = collect_one_batch(env, agent.policy, 16)
+    assert batch["observation"].dtype == torch.uint8  # bytes until the network's first layer
+    agent.after_collect(batch, frames=16, sum_over_learners=one_learner)
+    loss, _, _ = agent(batch.reshape(-1))
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.slow
+def test_ppo_on_mujoco_keeps_one_normalisation_on_every_learner_through_resume_and_evaluation(tmp_path):
+    pytest.importorskip("mujoco", reason="needs the [mujoco] extra")
+    run_dir = tmp_path / "run"
+    overrides = ["recipe=ppo", "env.id=Hopper-v5", *FAMILY_RUN, "checkpoint.every=192", f"run_dir={run_dir}"]
+    overrides = [item for item in overrides if not item.startswith("env.num_envs")]  # MuJoCo's: 1 per learner
+    command = fabric_command(
+        3, "train.py", f"rpc.port={free_port()}", *overrides, "collector.frames_per_batch=16"
+    )
+    summary = read_summary(run_command(command))
+    frames = summary["frames_collected"]  # 384 or more: the straggler threshold may cut rollouts
+    assert frames >= 384 and checkpoint.Meta.read(checkpoint.latest(run_dir)).frames == frames
+    # The learners' weights and normalisation statistics are one; the statistics count
+    # every frame every learner collected, each once.
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+    final = torch.load(run_dir / checkpoint.FINAL, weights_only=True)["agent"]
+    assert final["normalizer.count"].item() == pytest.approx(frames + 1e-4)
+    assert final["rewards.moments.count"].item() == pytest.approx(frames + 1e-4)
+
+    # Resumed on 2 learners from the last checkpoint, to 768 frames: the statistics go on.
+    more = [*overrides, "collector.frames_per_batch=16", "total_frames=768", f"resume={run_dir}"]
+    resumed = read_summary(learners_run(2, *more))
+    assert resumed["frames_collected"] >= 768
+    assert len(set(resumed["learner_param_checksums"].values())) == 1
+    final = torch.load(run_dir / checkpoint.FINAL, weights_only=True)["agent"]
+    assert final["normalizer.count"].item() == pytest.approx(resumed["frames_collected"] + 1e-4)
+
+    # evaluate.py rebuilds the agent with them: the policy it plays normalises as training's.
+    state, recipe = checkpoint.load(run_dir / checkpoint.FINAL)
+    agent = recipes.make_agent(recipe, state["algo"], state["env"])
+    agent.load_state_dict(state["agent"])
+    torch.testing.assert_close(agent.normalizer.mean, final["normalizer.mean"])
+    assert evaluate.main([f"checkpoint={run_dir}", "episodes=2"]) == 0
+    record = json.loads((run_dir / "evaluation.json").read_text())
+    assert record["episodes"] == 2 and all(value > 0 for value in record["returns"])

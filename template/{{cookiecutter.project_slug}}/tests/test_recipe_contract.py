@@ -38,7 +38,7 @@ class Agent(nn.Module):
     def make_optimizers(self):
         return {}
 
-    def after_collect(self, batch, frames):
+    def after_collect(self, batch, frames, sum_over_learners):
         pass
 
     def forward(self, batch):

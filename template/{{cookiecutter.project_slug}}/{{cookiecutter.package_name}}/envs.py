@@ -29,14 +29,14 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDictBase
-from torchrl.data import Unbounded
+from torchrl.data import Categorical, OneHot, Unbounded
 from torchrl.envs import (
     DoubleToFloat,
     DTypeCastTransform,
@@ -127,25 +127,24 @@ def register_envs(family: str) -> None:
 
 def actions_of(env: Mapping[str, Any]) -> tuple[str | None, str]:
     """The kind of one copy's action space (DISCRETE, CONTINUOUS, or None for any other)
-    and its description, e.g. ``"2 discrete actions"``: from the env gymnasium makes,
-    before any rank starts. EnvUnavailable says, in one line, why it cannot be made."""
-    env_id = env["id"]
-    kwargs = dict(env.get("kwargs") or {})
-    if family_of(env_id) == ATARI:
-        kwargs = atari_single_settings(kwargs)
+    and its description, e.g. ``"2 discrete actions"``: from one copy of the env as
+    training makes it, before any rank starts. EnvUnavailable says, in one line, why it
+    cannot be made."""
     try:
         with output_silenced():
-            single = gym.make(env_id, **kwargs)
-            space = single.action_space
-            single.close()
+            probe = make_env(env, 1, seed=0, training=False)
+            spec = probe.action_spec_unbatched
+            probe.close()
+    except EnvUnavailable:
+        raise
     except Exception as error:  # a bad keyword, a broken user env: say which, in one line
-        raise EnvUnavailable(f"env.id={env_id} cannot be made: {str(error).splitlines()[0]}") from None
-    if isinstance(space, gym.spaces.Discrete):
-        return DISCRETE, f"{space.n} discrete actions"
-    if isinstance(space, gym.spaces.Box):
-        dimensions = int(np.prod(space.shape))
+        raise EnvUnavailable(f"env.id={env['id']} cannot be made: {str(error).splitlines()[0]}") from None
+    if isinstance(spec, (OneHot, Categorical)):
+        return DISCRETE, f"{spec.space.n} discrete actions"
+    if spec.dtype.is_floating_point:
+        dimensions = spec.shape.numel()
         return CONTINUOUS, f"continuous actions ({dimensions} dimension{'s' if dimensions > 1 else ''})"
-    return None, f"actions of {space}"
+    return None, f"{type(spec).__name__} actions"
 
 
 @contextlib.contextmanager
@@ -224,8 +223,28 @@ def make_env(
             wrappers=[atari_preprocessing] if family == ATARI else None,
             **(atari_single_settings(kwargs) if family == ATARI else kwargs),
         )
+    if isinstance(vector_env.single_action_space, gym.spaces.Box):
+        vector_env = ClippedActions(vector_env)
     life_loss = training and env.get("life_loss", False)
     return as_torchrl(vector_env, seed, device, family, read_lives=life_loss)
+
+
+def clip_to(space: gym.spaces.Box) -> Callable[[np.ndarray], np.ndarray]:
+    """Actions clipped to ``space``'s bounds on their way into the env: a policy may sample
+    beyond them (PPO's Gaussian), and training keeps the action it sampled (CleanRL's
+    ``ClipAction``). gymnasium's ``ClipAction`` would also widen the action space to
+    infinity, and torchrl builds the action spec, whose bounds SAC and TD3 squash into,
+    from it."""
+    return functools.partial(np.clip, a_min=space.low, a_max=space.high)
+
+
+class ClippedActions(gym.wrappers.vector.TransformAction):
+    """gymnasium's action transform with ``clip_to``, which keeps the env's action space and
+    its autoreset mode (torchrl reads it from the vector env it wraps)."""
+
+    def __init__(self, env: gym.vector.VectorEnv) -> None:
+        super().__init__(env, clip_to(env.action_space), env.action_space, env.single_action_space)
+        self.autoreset_mode = env.metadata["autoreset_mode"]
 
 
 class MaskedResets(gym.vector.VectorWrapper):
@@ -365,6 +384,8 @@ def make_video_env(env: Mapping[str, Any], folder: str, seed: int) -> EnvBase:
     if family == ATARI:
         kwargs = atari_single_settings(kwargs)
     game = gym.make(env_id, render_mode="rgb_array", **kwargs)
+    if isinstance(game.action_space, gym.spaces.Box):
+        game = gym.wrappers.TransformAction(game, clip_to(game.action_space), game.action_space)
     if family == MINATAR:
         game = MinAtarFrames(game)
     recorder = gym.wrappers.RecordVideo(

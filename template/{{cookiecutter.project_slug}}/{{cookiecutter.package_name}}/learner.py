@@ -75,7 +75,7 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
         if learner.stop_agreed():  # all-reduce: every learner leaves at this same step
             break
         learner.count(batch, learner.frames_per_step)
-        agent.after_collect(batch, learner.step_frames)
+        agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
         replay.extend(batch.select(*agent.batch_keys))  # asynchronous; stacked frames go once
         if learner.frames >= learning_starts:
             if replay.sampled == 0:
@@ -110,7 +110,8 @@ def on_policy(run: Run) -> dict[str, Any]:
         sizes = learner.rollout_sizes(batch)  # all-reduce, when the threshold can cut rollouts
         learner.count(batch, sum(sizes))
         batch = batch.to(run.device)
-        agent.after_collect(batch, learner.step_frames)  # advantages, along each copy's steps
+        # Advantages along each copy's steps; statistics all-reduced through sum_over_learners.
+        agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
         transitions = batch.reshape(-1)
         plan = stragglers.minibatches(sizes, learner.index, algo.minibatch_size)
         minibatch_sizes, weights = zip(*plan, strict=True)
@@ -247,6 +248,13 @@ class Learner:
             batch.numel(), self.index, self.learners, self.run.learner_group, self.run.device
         )
 
+    def sum_over_learners(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over all learners, in place (an all-reduce): for statistics a
+        recipe keeps the same on every learner, such as PPO's observation normalisation."""
+        if self.learners > 1:
+            dist.all_reduce(values, group=self.run.learner_group)
+        return values
+
     def count(self, batch: TensorDictBase, step_frames: int) -> None:
         """Count a step of ``step_frames`` (all learners): this learner's rollout, the
         returns of its finished episodes, and how old the weights that collected it were."""
@@ -361,7 +369,12 @@ class Learner:
             "inserted": replay.inserted if replay is not None else 0,
             "sampled": replay.sampled if replay is not None else 0,
             "policy_lag": mean(self.lags) if self.lags else 0.0,
-            "param_checksum": sum(p.detach().double().sum() for p in self.agent.parameters()).item(),
+            # Weights and running statistics (buffers): the same on every learner.
+            "param_checksum": sum(
+                value.double().sum()
+                for value in self.agent.state_dict().values()
+                if value.is_floating_point()
+            ).item(),
             "eval_returns": self.greedy_returns(),
         }
         if self.index == 0:  # the learners' weights are identical: one of them saves

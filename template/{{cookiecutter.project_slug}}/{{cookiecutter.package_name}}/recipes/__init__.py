@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -61,8 +61,12 @@ class AgentProtocol(Protocol):
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """The named optimizers over the agent's parameters (checkpoints keep each by name)."""
 
-    def after_collect(self, batch: TensorDictBase, frames: int) -> None:
-        """Per-batch work: exploration annealing, or advantages written into ``batch``."""
+    def after_collect(
+        self, batch: TensorDictBase, frames: int, sum_over_learners: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Per-batch work on this learner's batch, ``frames`` being all learners': exploration
+        annealing, or advantages written into ``batch``. ``sum_over_learners(tensor)`` sums a
+        tensor over the learners, for statistics that must be the same on every learner."""
 
     def forward(
         self, batch: TensorDictBase
