@@ -70,6 +70,31 @@ def test_each_recipe_trains_in_one_process_and_writes_its_records(one_process_ru
     assert json.loads((run_dir / "evaluation.json").read_text())["episodes"] == 2
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_phases_of_a_step_add_up_to_its_wall_time(one_process_runs, recipe):
+    """timing.py: each phase's milliseconds per step, in the summary and the metrics; the
+    phases together are the training time, within a few percent (the loop's own Python
+    between them)."""
+    run_dir, summary = one_process_runs(recipe)
+    phases = summary["phase_ms_per_step"]
+    expected = {"collect", "agree", "after_collect", "forward", "backward", "optimizer", "evaluate", "report"}
+    expected |= (
+        {"replay_insert", "sample_wait", "priority_update"}
+        if recipes.load(recipe).Agent.uses_replay
+        else {"shuffle"}
+    )
+    assert expected <= set(phases) and all(ms >= 0 for ms in phases.values())
+    assert phases["collect"] > 0 and phases["forward"] > 0 and phases["backward"] > 0
+    steps = 3072 // 256
+    assert sum(phases.values()) * steps / 1000 == pytest.approx(
+        summary["train_s"] * summary["phase_accounted"]
+    )
+    assert 0.93 <= summary["phase_accounted"] <= 1.0
+    with (run_dir / "metrics.csv").open() as file:
+        header = file.readline().strip().split(",")
+    assert {f"ms_per_step/{name}" for name in ("collect", "forward", "backward")} <= set(header)
+
+
 def test_a_run_shorter_than_log_every_records_its_metrics_and_its_checkpoint_plays(tmp_path):
     run_dir = tmp_path / "run"
     short = ["total_frames=512", "log_every=100000", "eval.every=0", "checkpoint.every=256"]

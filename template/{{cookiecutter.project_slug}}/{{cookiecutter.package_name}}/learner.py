@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint, config, recipes
+from . import checkpoint, config, recipes, timing
 from .collector import POLICY_VERSION, make_collector, next_batch
 from .distributed import stragglers
 from .distributed.topology import Topology
@@ -39,6 +39,7 @@ from .distributed.watchdog import Watchdog
 from .evaluation import evaluate
 from .recorder import Window
 from .replay import ReplayClient
+from .timing import phase, timed
 
 
 @dataclass
@@ -75,7 +76,8 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
         if learner.stop_agreed():  # all-reduce: every learner leaves at this same step
             break
         learner.count(batch, learner.frames_per_step)
-        agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
+        with phase("after_collect"):
+            agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
         replay.extend(batch.select(*agent.batch_keys))  # asynchronous; stacked frames go once
         if learner.frames >= learning_starts:
             if replay.sampled == 0:
@@ -111,13 +113,12 @@ def on_policy(run: Run) -> dict[str, Any]:
         learner.count(batch, sum(sizes))
         batch = batch.to(run.device)
         # Advantages along each copy's steps; statistics all-reduced through sum_over_learners.
-        agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
+        with phase("after_collect"):
+            agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
         transitions = batch.reshape(-1)
         plan = stragglers.minibatches(sizes, learner.index, algo.minibatch_size)
-        minibatch_sizes, weights = zip(*plan, strict=True)
         for _ in range(algo.epochs):
-            shuffled = transitions[torch.randperm(len(transitions))]
-            for minibatch, weight in zip(shuffled.split(list(minibatch_sizes)), weights, strict=True):
+            for minibatch, weight in learner.shuffled(transitions, plan):
                 learner.update(minibatch, weight)  # loss, backward (all-reduce), step
         if learner.due(cfg.log_every):
             learner.report()
@@ -210,15 +211,17 @@ class Learner:
 
         self.reports: list[torch.futures.Future] = []  # rows on their way to rank 0's recorder
         self.saved_at = self.frames
-        # Training time and rates start here: the collector's start-up is set-up.
+        # Training time, rates and the phases' times start here: the collector's start-up is set-up.
         self.started = time.monotonic()
         self.window = Window()
+        timing.reset()
 
     def env_seed(self) -> int:
         """The seed of this learner's environments from here on. A resumed run starts new
         episodes (environments cannot be saved mid-episode), seeded by the frames so far."""
         return self.cfg.seed + 1000 * self.index + self.frames
 
+    @timed("collect")
     def collect(self) -> TensorDictBase:
         """This learner's next batch ``[env copies, steps]`` (time last): the collector's
         next, or under the straggler threshold a rollout that may be cut short. A collector
@@ -229,6 +232,7 @@ class Learner:
             # A store that stops answering in rollout is rank 0's death: the watchdog names it.
             return self.stragglers.rollout(self.batches)
 
+    @timed("agree")
     def stop_agreed(self) -> bool:
         """Whether any learner was asked to stop (SIGINT, SIGTERM, SIGUSR1): one all-reduce,
         so that all learners get the same answer at the same step."""
@@ -239,6 +243,7 @@ class Learner:
         dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.run.learner_group)
         return bool(raised.item())
 
+    @timed("agree")
     def rollout_sizes(self, batch: TensorDictBase) -> list[int]:
         """Every learner's frames in this step's rollout, in learner order: one all-reduce
         where the straggler threshold can cut rollouts; otherwise all are full."""
@@ -247,6 +252,16 @@ class Learner:
         return stragglers.sizes_of_all(
             batch.numel(), self.index, self.learners, self.run.learner_group, self.run.device
         )
+
+    @timed("shuffle")
+    def shuffled(
+        self, transitions: TensorDictBase, plan: list[tuple[int, float]]
+    ) -> list[tuple[TensorDictBase, float]]:
+        """One epoch's minibatches of this learner's rollout, shuffled: ``plan`` gives each
+        one's frames and loss weight (``stragglers.minibatches``)."""
+        sizes, weights = zip(*plan, strict=True)
+        shuffled = transitions[torch.randperm(len(transitions))]
+        return list(zip(shuffled.split(list(sizes)), weights, strict=True))
 
     def sum_over_learners(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` summed over all learners, in place (an all-reduce): for statistics a
@@ -278,15 +293,19 @@ class Learner:
         (replay recipes), or None.
         """
         self.updates += 1
-        loss, priorities, metrics = self.model(batch)
-        priorities = checked_priorities(loss, priorities, self.where())
-        for optimizer in self.optimizers.values():
-            optimizer.zero_grad(set_to_none=True)
-        (loss * weight).backward()
-        self.agent.optimizer_step(self.optimizers, self.updates)  # the recipe's: optimizers, targets
+        with phase("forward"):
+            loss, priorities, metrics = self.model(batch)
+            priorities = checked_priorities(loss, priorities, self.where())
+        with phase("backward"):  # with DDP, the gradients' all-reduce too
+            for optimizer in self.optimizers.values():
+                optimizer.zero_grad(set_to_none=True)
+            (loss * weight).backward()
+        with phase("optimizer"):
+            self.agent.optimizer_step(self.optimizers, self.updates)  # the recipe's: optimizers, targets
         self.window.add_metrics(metrics)
         if self.weight_sync_every and self.updates % self.weight_sync_every == 0:
-            with self.collector_deadline():  # the collector's process acknowledges the copy
+            # The collector's process acknowledges the copy.
+            with phase("weight_sync"), self.collector_deadline():
                 self.collector.update_policy_weights_(self.agent.policy)
             self.pushed_at.append(self.updates)
         return priorities
@@ -304,10 +323,13 @@ class Learner:
         """Whether the last step passed a multiple of ``every`` frames (the same on all learners)."""
         return every > 0 and self.frames // every > (self.frames - self.step_frames) // every
 
+    @timed("report")
     def report(self) -> None:
         """Send this learner's metrics since the last report to rank 0's recorder."""
-        self.reports.append(self.run.recorder.rpc_async().report(self.frames, self.window.flush()))
+        row = self.window.flush(timing.take())
+        self.reports.append(self.run.recorder.rpc_async().report(self.frames, row))
 
+    @timed("evaluate")
     def evaluate(self) -> None:
         """Play greedy episodes and report their mean return."""
         returns = {"eval_return": mean(self.greedy_returns())}
@@ -320,6 +342,7 @@ class Learner:
         seed = cfg.seed + 1_000_000 + 1000 * self.index
         return evaluate(self.agent.policy, cfg.env, episodes, seed, self.run.device)
 
+    @timed("checkpoint")
     def save_checkpoint(self, replay: ReplayClient | None) -> None:
         """Write a training checkpoint; every learner calls this at the same step."""
         cfg = self.cfg
@@ -349,7 +372,7 @@ class Learner:
             self.save_checkpoint(replay)  # stopped early: the run can go on from here
         if self.window.frames:  # the frames since the last row: a run shorter than log_every gets one too
             self.report()
-        train_s = time.monotonic() - self.started
+        train_s, phases = time.monotonic() - self.started, timing.totals()
         self.collector.shutdown()
         if replay is not None:
             replay.flush()
@@ -366,6 +389,7 @@ class Learner:
             "stopped_by": stop.signal,
             "updates": self.updates,
             "train_s": train_s,
+            "phase_seconds": phases,  # where train_s went (timing.py)
             "inserted": replay.inserted if replay is not None else 0,
             "sampled": replay.sampled if replay is not None else 0,
             "policy_lag": mean(self.lags) if self.lags else 0.0,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import os
 import threading
@@ -30,6 +31,7 @@ from .distributed.topology import Topology
 from .distributed.watchdog import RankFailure
 from .plots import learning_curve
 
+log = logging.getLogger(__name__)
 SUMMED = ("frames_per_s",)
 # Metrics the progress bar shows: their labels and formats.
 PROGRESS = {
@@ -185,8 +187,10 @@ class Recorder:
             "train_s": train_s,
             "wall_s": self.elapsed(),
             "checkpoint": learners[0]["checkpoint"],
+            **phases_per_step(learners),
         }
         self.progress.close()
+        log.info("%s", phases_line(summary["phase_ms_per_step"], summary["phase_accounted"]))
         if not self.eval_history or self.eval_history[-1]["frames"] != frames:
             # The final evaluation is the run's last metrics row, however short the run.
             self.log({"eval_return": summary["eval_return"]}, frames)
@@ -205,6 +209,33 @@ class Recorder:
     def log(self, row: dict[str, float], step: int) -> None:
         for logger in self.loggers:
             logger.log_metrics(row, step)
+
+
+def phases_per_step(learners: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where the learners' training time went (timing.py): each phase's milliseconds per
+    step, and the share of train_s the phases account for, both averaged over learners."""
+    per_learner = [
+        {
+            name: 1000 * seconds / max(stats["rollouts"]["rollouts"], 1)
+            for name, seconds in stats["phase_seconds"].items()
+        }
+        for stats in learners
+    ]
+    names = sorted({name for phases in per_learner for name in phases})
+    return {
+        "phase_ms_per_step": {
+            name: sum(phases.get(name, 0.0) for phases in per_learner) / len(learners) for name in names
+        },
+        "phase_accounted": sum(sum(stats["phase_seconds"].values()) / stats["train_s"] for stats in learners)
+        / len(learners),
+    }
+
+
+def phases_line(ms_per_step: dict[str, float], accounted: float) -> str:
+    """The phases in one line, the longest first."""
+    phases = sorted(ms_per_step.items(), key=lambda item: -item[1])
+    listed = ", ".join(f"{name} {ms:.1f} ms" for name, ms in phases)
+    return f"time per step: {listed} ({accounted:.0%} of the training time)"
 
 
 def make_loggers(cfg: DictConfig) -> list:
@@ -294,16 +325,18 @@ def earlier_rows(run_dir: Path, frames: int) -> list[tuple[int, dict[str, float]
 
 class Window:
     """A learner's metrics since its last report: throughput, mean losses, finished
-    episodes' returns."""
+    episodes' returns, and the milliseconds per step of each phase of its steps."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.steps = 0
         self.frames = 0
         self.sums: dict[str, float] = {}
         self.updates = 0
         self.returns: list[float] = []
 
     def add_episodes(self, batch) -> None:
+        self.steps += 1
         self.frames += batch.numel()
         done = batch["next", "done"].squeeze(-1)
         self.returns += batch["next", "episode_reward"].squeeze(-1)[done].tolist()
@@ -313,7 +346,8 @@ class Window:
         for key, value in metrics.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
 
-    def flush(self) -> dict[str, float]:
+    def flush(self, phases: dict[str, float]) -> dict[str, float]:
+        """The row, with ``phases`` (seconds per phase over the window, timing.take())."""
         elapsed = time.monotonic() - self.started
         row = {
             "frames_per_s": self.frames / elapsed,
@@ -321,5 +355,8 @@ class Window:
             "train_return": sum(self.returns) / len(self.returns) if self.returns else math.nan,
         }
         row.update({key: float(total) / self.updates for key, total in self.sums.items()})
+        row.update(
+            {f"ms_per_step/{name}": 1000 * seconds / max(self.steps, 1) for name, seconds in phases.items()}
+        )
         self.__init__()
         return row

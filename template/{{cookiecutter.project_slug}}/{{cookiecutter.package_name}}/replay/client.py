@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDictBase
 
+from ..timing import timed
 from .frames import NEXT_OBSERVATION, OBSERVATION, PIXELS, is_frame_stack, pack
 from .shard import GENERATION, PRIORITY, SHARD, SHARED_MEMORY, WEIGHT
 
@@ -102,6 +103,7 @@ class ReplayClient:
         self.inserted = 0  # transitions this client wrote
         self.sampled = 0  # transitions it sampled
 
+    @timed("replay_insert")
     def extend(self, transitions: TensorDictBase) -> None:
         """Write a collector batch ``[env copies, steps]`` (or flat transitions) to the
         shards, asynchronously."""
@@ -146,6 +148,7 @@ class ReplayClient:
             self._frame_writes[shard_index] = future
             self._track(future)
 
+    @timed("sample_wait")
     def sample(self, prefetch: bool = True) -> TensorDictBase:
         """The next batch; with ``prefetch`` the next requests go out as a request arrives."""
         if not self._batches:
@@ -161,6 +164,7 @@ class ReplayClient:
             batch[OBSERVATION], batch[NEXT_OBSERVATION] = pixels[:, :-1], pixels[:, 1:]
         return batch
 
+    @timed("priority_update")
     def update_priority(self, batch: TensorDictBase, priorities: torch.Tensor) -> None:
         """Send the new ``priorities`` of the transitions of a sampled ``batch``."""
         update = batch.select("index", GENERATION, SHARD).cpu()
@@ -169,6 +173,7 @@ class ReplayClient:
         if len(self._priorities) >= self.batches_per_request:
             self._send_priorities()
 
+    @timed("replay_insert")
     def flush(self) -> None:
         """Send pending priorities, wait for every write, and drop prefetched batches, so
         the next sample sees everything written so far."""
