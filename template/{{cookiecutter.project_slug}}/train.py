@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         recipe = recipes.load(cfg.recipe)
         resumed = checkpoint.check_resume(cfg)
         if not FLAGS & set(argv):  # --help and --print-config run nothing
-            checkpoint.check_run_dir(cfg)
+            checkpoint.check_run_dir(cfg, resumed)
     except config.ConfigError as error:
         # Under `fabric run` every rank checks the same config and rank 0 says what is
         # wrong. The others wait a moment: the launcher stops all ranks as soon as one exits.

@@ -3,7 +3,10 @@ and a 3-rank run killed with SIGKILL goes on from its last one to the right fram
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
 import signal
 import sys
 import time
@@ -14,6 +17,7 @@ from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import checkpoint, config, recipes
 from {{ cookiecutter.package_name }}.distributed.topology import LocalRef
+from {{ cookiecutter.package_name }}.distributed.watchdog import RankFailure
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
@@ -65,7 +69,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, mo
 
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint.Meta, "write", crash)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(RankFailure, match="disk full"):  # one line, as a full disk says it
             run.save(2048)
     # The half-written one is invisible; the previous one still loads and fits the run.
     assert checkpoint.latest(tmp_path) == first
@@ -81,6 +85,57 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_whole(tmp_path, mo
     run.save(2048)  # the next write replaces what the crash left
     assert checkpoint.latest(tmp_path) == checkpoint.training_dir(tmp_path, 2048)
     assert not checkpoint.partial_dir(checkpoint.training_dir(tmp_path, 2048)).exists()
+
+
+DAMAGE = {
+    "truncated": lambda folder: (folder / "agent.pt").write_bytes((folder / "agent.pt").read_bytes()[:100]),
+    "shard missing": lambda folder: shutil.rmtree(folder / "replay-0"),
+    "meta unreadable": lambda folder: (folder / "meta.json").write_text('{"recipe": '),
+}
+REASONS = {
+    "truncated": r"agent\.pt has 100 bytes, \d+ when written",
+    "shard missing": r"replay-0/\S+ is missing",
+    "meta unreadable": r"meta\.json cannot be read \(JSONDecodeError\)",
+}
+
+
+@needs_replay
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_resume_auto_skips_a_damaged_checkpoint_in_one_line_and_goes_on_from_the_newest_whole(
+    tmp_path, caplog, kind
+):
+    run = OneLearner(tmp_path)
+    run.save(1024)
+    run.save(2048)
+    newest = checkpoint.training_dir(tmp_path, 2048)
+    DAMAGE[kind](newest)
+    cfg = OmegaConf.merge(run.cfg, {"resume": "auto"})
+    with caplog.at_level("WARNING"):
+        resumed = checkpoint.check_resume(cfg)
+    assert resumed.folder == checkpoint.training_dir(tmp_path, 1024) and resumed.frames == 1024
+    (line,) = [record.getMessage() for record in caplog.records if record.name == checkpoint.__name__]
+    assert re.fullmatch(rf"resume: skipping {newest}: {REASONS[kind]}", line), line
+    checkpoint.check_run_dir(cfg, resumed)  # the damaged newest does not refuse the run
+    # Named on its own, a damaged checkpoint is one error line, not a traceback.
+    with pytest.raises(config.ConfigError, match=rf"resume: checkpoint {newest} is damaged: {REASONS[kind]}"):
+        checkpoint.check_resume(OmegaConf.merge(run.cfg, {"resume": str(newest)}))
+
+
+@needs_replay
+def test_a_full_disk_fails_the_write_in_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    run = OneLearner(tmp_path)
+    run.save(1024)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", full)
+    target = checkpoint.training_dir(tmp_path, 2048)
+    with pytest.raises(RankFailure, match=rf"^cannot write checkpoint {target}: No space left on device$"):
+        run.save(2048)
+    monkeypatch.undo()
+    assert checkpoint.latest(tmp_path) == checkpoint.training_dir(tmp_path, 1024)
+    assert checkpoint.damage(checkpoint.training_dir(tmp_path, 1024)) is None
 
 
 def trained_one_step(one: OneLearner) -> None:
@@ -196,9 +251,10 @@ def test_a_run_dir_holds_one_runs_checkpoints(tmp_path, capsys):
         assert train.main([*overrides, *resume]) == 2
         assert capsys.readouterr().err.strip() == error
     for resume in ["auto", str(tmp_path), str(checkpoint.training_dir(tmp_path, 2048))]:
-        checkpoint.check_run_dir(config.load([*overrides, f"resume={resume}"], train.DEFAULTS))
-    branch = [*overrides, f"resume={older}", f"run_dir={tmp_path / 'branch'}"]
-    checkpoint.check_run_dir(config.load(branch, train.DEFAULTS))
+        cfg = config.load([*overrides, f"resume={resume}"], train.DEFAULTS)
+        checkpoint.check_run_dir(cfg, checkpoint.check_resume(cfg))
+    cfg = config.load([*overrides, f"resume={older}", f"run_dir={tmp_path / 'branch'}"], train.DEFAULTS)
+    checkpoint.check_run_dir(cfg, checkpoint.check_resume(cfg))
     assert train.main([*overrides, "--print-config"]) == 0 and train.main([*overrides, "--help"]) == 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "frames-000000001024",

@@ -10,7 +10,13 @@ from omegaconf import OmegaConf
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from {{ cookiecutter.package_name }}.collector import POLICY_VERSION, CollectorFailed, make_collector, next_batch
+from {{ cookiecutter.package_name }}.collector import (
+    POLICY_VERSION,
+    CollectingFailed,
+    CollectorFailed,
+    make_collector,
+    next_batch,
+)
 
 
 def collector_config(mode: str, num_envs: int = 4, frames_per_batch: int = 200):
@@ -127,15 +133,21 @@ class WrongShape(nn.Module):
         return self.layer(observation)
 
 
-def test_an_error_in_the_policy_keeps_its_own_message_and_line():
+def test_an_error_in_the_policy_keeps_its_own_message_and_line(caplog):
     """Only a dead collector process is reported as one: a policy that fails in the
-    learner's own process (sync mode) raises its own error, with its traceback."""
+    learner's own process (sync mode) is named with its own error in one line, its
+    traceback in this rank's log and the error itself as the line's cause."""
     policy = TensorDictModule(WrongShape(), in_keys=["observation"], out_keys=["action"])
     collector = make_collector(
         collector_config("sync"), policy, seed=0, total_frames=400, device=torch.device("cpu")
     )
-    with pytest.raises(RuntimeError, match="mat1 and mat2") as raised:
-        next_batch(collector, iter(collector), "rank 0 (learner)")
+    with caplog.at_level("ERROR"), pytest.raises(CollectingFailed) as raised:
+        next_batch(collector, iter(collector), "rank 0 (learner)", "CartPole-v1")
     collector.shutdown()
-    assert not isinstance(raised.value, CollectorFailed)
-    assert "return self.layer(observation)" in [frame.line for frame in traceback.extract_tb(raised.tb)]
+    assert str(raised.value).startswith("collecting from CartPole-v1: RuntimeError: mat1 and mat2")
+    assert not isinstance(raised.value, CollectorFailed) and "\n" not in str(raised.value)
+    cause = raised.value.__cause__
+    assert isinstance(cause, RuntimeError)
+    failing_line = "return self.layer(observation)"
+    assert failing_line in [frame.line for frame in traceback.extract_tb(cause.__traceback__)]
+    assert failing_line in caplog.text  # the whole traceback, in this rank's log

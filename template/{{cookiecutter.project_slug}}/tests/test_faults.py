@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }} import checkpoint
+from {{ cookiecutter.package_name }} import checkpoint, recipes
+from {{ cookiecutter.package_name }}.collector import collecting
 from {{ cookiecutter.package_name }}.distributed.topology import Topology
 
 from .conftest import (
@@ -27,6 +28,7 @@ from .conftest import (
     free_port,
     launch,
     processes_of,
+    run_command,
     tiny_overrides,
 )
 
@@ -155,7 +157,8 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     code, stderr, seconds = finish(process, timeout=90)
     assert code != 0 and seconds < 60
     reason = {
-        "dies": "rank 1 (learner) failed: the collector process of rank 1 (learner) died",
+        "dies": "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
+        "CartPole-v1, died (killed by SIGKILL)",
         "hangs": "the collector of rank 1 (learner) stopped: nothing for 10 s",
     }[fault]
     # The learners say why. (Rank 0 kills the replay process as it stops, which may come
@@ -257,3 +260,44 @@ def test_a_non_finite_loss_stops_the_run_and_says_where(tmp_path):
     assert {str(rank) for rank in LEARNERS} <= {line.split(" ")[1] for line in reports}, stderr[-3000:]
     assert all("(learner) failed: non-finite loss" in line and "at frame" in line for line in reports)
     assert processes_of(run_dir) == {}
+
+
+BROKEN_ENV = "env.id=tests.raising_env:BrokenCartPole-v1"
+DISCRETE = [name for name in RECIPES if "discrete" in recipes.load(name).Agent.action_spaces]
+DISCRETE_REPLAY = [name for name in DISCRETE if recipes.load(name).Agent.uses_replay]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fail_in", "mode"),
+    [("step", "sync"), ("reset", "sync"), pytest.param("step", "async", marks=pytest.mark.skipif(
+        not DISCRETE_REPLAY, reason="async collection is for replay recipes"))],
+)  # fmt: skip
+def test_an_environment_that_raises_stops_the_run_in_one_line_with_its_traceback_in_the_log(
+    tmp_path, fail_in, mode
+):
+    recipe = (DISCRETE_REPLAY if mode == "async" else DISCRETE)[0]
+    overrides = [
+        *tiny_overrides(recipe),
+        BROKEN_ENV,
+        f"env.kwargs.fail_in={fail_in}",
+        f"collector.mode={mode}",
+    ]
+    result = run_command([sys.executable, "train.py", *overrides, f"run_dir={tmp_path / 'run'}"])
+    assert result.returncode == 1
+    reports = [line for line in result.stderr.splitlines() if "stopping:" in line]
+    assert len(reports) == 1, result.stderr[-3000:]
+    env_id = BROKEN_ENV.removeprefix("env.id=")
+    if mode == "sync":
+        error = f"ValueError: the environment broke in {fail_in}"
+        reason = f"rank 0 (learner) failed: collecting from {env_id}: {error}"
+        assert reports[0].endswith(reason), reports[0]
+        assert f"ERROR {collecting.__module__}: collecting from {env_id} failed" in result.stderr
+    else:  # the child dies of it, and says why before it goes
+        process = f"the collector process of rank 0 (learner), collecting from {env_id}, died"
+        reason = f"rank 0 (learner) failed: {process}"
+        assert reason in reports[0], reports[0]
+    assert (
+        "Traceback" in result.stderr
+        and f'raise ValueError("the environment broke in {fail_in}")' in result.stderr
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import pickle
 import random
 import shutil
@@ -36,8 +37,11 @@ import torch
 from lightning_fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
 
-from . import recipes
+from . import logs, recipes
 from .config import ConfigError
+from .distributed.watchdog import RankFailure
+
+log = logging.getLogger(__name__)
 
 FINAL = Path("checkpoints") / "final.pt"
 PREFIX = "frames-"
@@ -58,6 +62,9 @@ class Meta:
     replay_shards: int
     replay: bool  # the shards' contents are in the checkpoint (checkpoint.replay)
     frames_per_batch: int
+    # Every other file of the checkpoint and its size in bytes, as written: a resume finds a
+    # file that is missing or was cut short (a disk that failed, a copy that did not finish).
+    files: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of_run(cls, cfg: DictConfig, frames: int, updates: int, learners: int, replay_shards: int) -> Meta:
@@ -85,7 +92,7 @@ class Meta:
 class Checkpoint(Meta):
     """A training checkpoint on disk: its meta and its folder."""
 
-    folder: Path
+    folder: Path = dataclasses.field(kw_only=True)
 
     def changes(self, learners: int, shards: int) -> list[str]:
         """How a run of ``learners`` and ``shards`` replay shards differs from this
@@ -109,20 +116,30 @@ def save(
     before the checkpoint is complete."""
     final = training_dir(cfg.run_dir, meta.frames)
     partial = partial_dir(final)
-    if learner_index == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # what a crash in an earlier write left
-        partial.mkdir(parents=True)
-    barrier()
-    torch.save(rng_state(), partial / f"rng-{learner_index}.pt")
-    barrier()
-    if learner_index == 0:
-        optimizer_states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
-        torch.save({"agent": agent.state_dict(), "optimizers": optimizer_states}, partial / AGENT)
-        if meta.replay:
-            for index, shard in enumerate(shards):
-                shard.rpc_sync().save(str(partial / f"replay-{index}"))
-        meta.write(partial)  # last: a folder without meta.json is incomplete
-        commit(partial, final, cfg.checkpoint.keep)
+    try:
+        if learner_index == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # what a crash in an earlier write left
+            partial.mkdir(parents=True)
+        barrier()
+        torch.save(rng_state(), partial / f"rng-{learner_index}.pt")
+        barrier()
+        if learner_index == 0:
+            optimizer_states = {name: optimizer.state_dict() for name, optimizer in optimizers.items()}
+            torch.save({"agent": agent.state_dict(), "optimizers": optimizer_states}, partial / AGENT)
+            if meta.replay:
+                for index, shard in enumerate(shards):
+                    shard.rpc_sync().save(str(partial / f"replay-{index}"))
+            files = {
+                str(path.relative_to(partial)): path.stat().st_size
+                for path in partial.rglob("*")
+                if path.is_file()
+            }
+            dataclasses.replace(meta, files=files).write(
+                partial
+            )  # last: a folder without meta.json is incomplete
+            commit(partial, final, cfg.checkpoint.keep)
+    except OSError as error:  # a full disk, say: the checkpoints before this one stay as they were
+        raise RankFailure(f"cannot write checkpoint {final}: {error.strerror or error}") from None
     barrier()
 
 
@@ -218,30 +235,63 @@ def complete(run_dir: str | Path) -> list[Path]:
     return [meta.parent for meta in sorted((Path(run_dir) / FINAL.parent).glob(f"{PREFIX}*/{META}"))]
 
 
+def damage(folder: Path) -> str | None:
+    """What is wrong with the checkpoint ``folder``, in words; None when it is whole: its
+    meta.json reads, and every file it lists is there with the size it was written with."""
+    try:
+        meta = Meta.read(folder)
+    except (OSError, ValueError, TypeError) as error:  # unreadable, not JSON, not a Meta
+        return f"{META} cannot be read ({type(error).__name__})"
+    for name, size in meta.files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} when written"
+    return None
+
+
+def newest_whole(run_dir: str | Path) -> Path | None:
+    """The run directory's newest complete checkpoint that is whole. Each damaged one on
+    the way is skipped with one line saying why (once, from the launcher's rank 0)."""
+    for folder in reversed(complete(run_dir)):
+        reason = damage(folder)
+        if reason is None:
+            return folder
+        if logs.launcher_rank() == 0:
+            log.warning("resume: skipping %s: %s", folder, reason)
+    return None
+
+
 def latest(path: str | Path) -> Path:
-    """A training checkpoint folder, or the newest complete one in a run directory."""
+    """A training checkpoint folder, or the newest whole one in a run directory."""
     candidate = Path(path)
     if (candidate / META).is_file():
+        reason = damage(candidate)
+        if reason is not None:
+            raise ConfigError(f"resume: checkpoint {candidate} is damaged: {reason}")
         return candidate
-    found = complete(candidate)
-    if not found:
+    found = newest_whole(candidate)
+    if found is None:
         raise ConfigError(f"resume: no checkpoint at {candidate} (checkpoint.every=N writes them)")
-    return found[-1]
+    return found
 
 
 AUTO = "auto"
 
 
-def check_run_dir(cfg: DictConfig) -> None:
+def check_run_dir(cfg: DictConfig, resumed: Checkpoint | None) -> None:
     """The checkpoints in a run_dir are one run's line of history: it may hold some only
-    when this run goes on from the newest of them (``resume=auto`` always does). Otherwise
-    two runs' checkpoints would mix, and a later ``resume=auto`` could go on from the other
-    run's newest: a fresh start in a used run_dir, or a resume from an older checkpoint."""
+    when this run goes on (``resumed``, as ``check_resume`` found it) from the newest of
+    them, or the newest is damaged (``resume=auto`` always does). Otherwise two runs'
+    checkpoints would mix, and a later ``resume=auto`` could go on from the other run's
+    newest: a fresh start in a used run_dir, or a resume from an older checkpoint."""
     found = complete(cfg.run_dir)
     if not found or cfg.resume == AUTO:
         return
     newest = found[-1]
-    if cfg.resume is None or latest(cfg.resume).resolve() != newest.resolve():
+    going_on = resumed is not None and (resumed.folder.resolve() == newest.resolve() or damage(newest))
+    if not going_on:
         raise ConfigError(
             f"run_dir {cfg.run_dir} holds checkpoints up to {newest.name}, which this run would not go "
             f"on from: resume={cfg.run_dir} goes on from them; or choose another run_dir"
@@ -255,9 +305,11 @@ def check_resume(cfg: DictConfig) -> Checkpoint | None:
     ``resume=auto``: the newest complete checkpoint in ``run_dir``, or None (start afresh)
     when there is none yet, so a job requeued by SLURM runs the same command.
     """
-    if cfg.resume is None or (cfg.resume == AUTO and not complete(cfg.run_dir)):
+    if cfg.resume is None:
         return None
-    folder = latest(cfg.run_dir if cfg.resume == AUTO else cfg.resume)
+    folder = newest_whole(cfg.run_dir) if cfg.resume == AUTO else latest(cfg.resume)
+    if folder is None:  # resume=auto, and no whole checkpoint yet
+        return None
     meta = Meta.read(folder)
     if (meta.recipe, meta.env_id) != (cfg.recipe, cfg.env.id):
         raise ConfigError(

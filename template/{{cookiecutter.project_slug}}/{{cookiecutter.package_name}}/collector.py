@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import math
 import signal
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from .config import COLLECT_ASYNC
 from .distributed.watchdog import STOP_SIGNALS, RankFailure, exit_status
 from .envs import TrainingBatches, make_env
 
+log = logging.getLogger(__name__)
 POLICY_VERSION = "policy_version"
 
 
@@ -128,19 +130,42 @@ class CollectorFailed(RankFailure):
     """The collector's process died."""
 
 
-def next_batch(
-    collector: Collector | CollectorProcess, batches: Iterator[TensorDictBase], owner: str
-) -> TensorDictBase:
-    """The next batch from ``batches``, ``collector``'s iterator. Only a dead collector
-    process is reported as one, in one line naming ``owner``; any other error (a recipe's
-    policy, an environment, in this process) keeps its own type, message and traceback."""
+class CollectingFailed(RankFailure):
+    """The environment or the policy raised while collecting."""
+
+
+@contextmanager
+def collecting(env_id: str) -> Iterator[None]:
+    """Collect from ``env_id``: an environment or a policy that raises stops the run with one
+    line naming the env and the exception (its type and first line), the exception's whole
+    traceback in this rank's log before it, and the exception as the line's cause."""
     try:
-        return next(batches)
-    except RuntimeError:  # how torchrl reports a worker that died, among other things
-        ended = collector.ended() if isinstance(collector, CollectorProcess) else None
-        if ended is None:
-            raise
-        raise CollectorFailed(f"the collector process of {owner} died ({ended})") from None
+        yield
+    except RankFailure:
+        raise
+    except Exception as error:
+        log.error("collecting from %s failed", env_id, exc_info=True)
+        message = (str(error).strip().splitlines() or [""])[0]
+        raise CollectingFailed(f"collecting from {env_id}: {type(error).__name__}: {message}") from error
+
+
+def next_batch(
+    collector: Collector | CollectorProcess, batches: Iterator[TensorDictBase], owner: str, env_id: str
+) -> TensorDictBase:
+    """The next batch from ``batches``, ``collector``'s iterator, of ``env_id``'s copies. A
+    dead collector process is reported as one, naming ``owner``; an error in this process
+    (the environment's, a recipe's policy's) as ``collecting`` does."""
+    with collecting(env_id):
+        try:
+            return next(batches)
+        except RuntimeError:  # how torchrl reports a worker that died, among other things
+            ended = collector.ended() if isinstance(collector, CollectorProcess) else None
+            if ended is None:
+                raise
+            # The child printed the traceback of what killed it, if anything did, above.
+            raise CollectorFailed(
+                f"the collector process of {owner}, collecting from {env_id}, died ({ended})"
+            ) from None
 
 
 @contextmanager

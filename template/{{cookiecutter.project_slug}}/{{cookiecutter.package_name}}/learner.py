@@ -32,7 +32,7 @@ from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, config, recipes, timing
-from .collector import POLICY_VERSION, make_collector, next_batch
+from .collector import POLICY_VERSION, collecting, make_collector, next_batch
 from .distributed import stragglers
 from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
@@ -188,8 +188,9 @@ class Learner:
         random_frames = math.ceil(
             max(0, getattr(self.algo, "random_frames", 0) - self.frames) / self.learners
         )
-        # Starting an async collector's process imports torch anew: allow it more time.
-        with self.collector_deadline(startup=True):
+        # Starting an async collector's process imports torch anew: allow it more time. A
+        # collector resets its envs as it starts: an env's error there is collecting's too.
+        with self.collector_deadline(startup=True), collecting(cfg.env.id):
             if self.stragglers is None:
                 self.collector = make_collector(
                     cfg, self.agent.policy, self.env_seed(), frames, run.device, random_frames=random_frames
@@ -228,9 +229,11 @@ class Learner:
         that gives nothing for ``collector.timeout`` seconds stops the run."""
         with self.collector_deadline():
             if self.stragglers is None:
-                return next_batch(self.collector, self.batches, self.label)
+                return next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
             # A store that stops answering in rollout is rank 0's death: the watchdog names it.
-            return self.stragglers.rollout(self.batches)
+            return self.stragglers.rollout(
+                lambda: next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
+            )
 
     @timed("agree")
     def stop_agreed(self) -> bool:

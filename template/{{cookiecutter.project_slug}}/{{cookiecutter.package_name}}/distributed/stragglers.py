@@ -24,7 +24,7 @@ end of any rollout.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,8 +59,9 @@ class StragglerThreshold:
         self.min_chunks = max(1, math.ceil(round(min_rollout_frac * self.full_chunks, 9)))
         self.step = 0
 
-    def rollout(self, chunks: Iterator[TensorDictBase]) -> TensorDictBase:
-        """The next rollout ``[num_envs, steps]``, full or cut, from the collector's ``chunks``.
+    def rollout(self, next_chunk: Callable[[], TensorDictBase]) -> TensorDictBase:
+        """The next rollout ``[num_envs, steps]``, full or cut, of the collector's chunks
+        (``next_chunk()`` gives the next one).
 
         Every learner collects the same number of rollouts, so step ``n`` has its own key.
         The learners run a collective after each rollout, so once the first learner starts
@@ -70,11 +71,11 @@ class StragglerThreshold:
         if self.index == 0 and step >= 2:
             self.store.delete_key(f"{KEY}/{step - 2}")
         key = f"{KEY}/{step}"
-        collected = [next(chunks)]
+        collected = [next_chunk()]
         while len(collected) < self.full_chunks:
             if len(collected) >= self.min_chunks and self.store.add(key, 0) >= self.needed:
                 return torch.cat(collected, dim=-1)
-            collected.append(next(chunks))
+            collected.append(next_chunk())
         self.store.add(key, 1)
         return torch.cat(collected, dim=-1)
 
