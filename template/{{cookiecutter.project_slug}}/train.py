@@ -15,6 +15,7 @@ loops themselves are in learner.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -29,7 +30,7 @@ from lightning_fabric import Fabric
 from omegaconf import DictConfig
 
 from {{ cookiecutter.package_name }} import checkpoint, config, learner, logs, recipes, usage
-from {{ cookiecutter.package_name }}.distributed import replay_processes, topology
+from {{ cookiecutter.package_name }}.distributed import replay_processes, restarts, topology
 from {{ cookiecutter.package_name }}.distributed.watchdog import Watchdog
 from {{ cookiecutter.package_name }}.recorder import Recorder
 from {{ cookiecutter.package_name }}.replay import ReplayClient
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> int:
     logs.setup(logs.launcher_rank())
     topology.slurm_main_port()
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
+    topology.join_restarted_attempt(cfg.learners.timeout)
     fabric = Fabric(**fabric_arguments(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
         # `fabric run` already started the ranks; Fabric forbids launch()
@@ -105,7 +107,10 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType, resumed: checkpoint
     address, port = topology.endpoint(cfg.rpc.address, cfg.rpc.port)
     # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
     launcher = "the launcher" if "TORCHELASTIC_RUN_ID" in os.environ else None
-    watchdog = Watchdog(plan, address, port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent=launcher)
+    on_failure = functools.partial(restarts.failed, cfg.run_dir, plan.rank)
+    watchdog = Watchdog(
+        plan, address, port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, launcher, on_failure
+    )
     with watchdog.watching():
         summary = play_role(fabric, cfg, recipe, resumed, plan, address, port, watchdog)
     # Only now, with no heartbeats watched: a replay process stops beating once it has left

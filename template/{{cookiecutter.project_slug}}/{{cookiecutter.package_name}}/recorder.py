@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from .config import planned_frames
+from .distributed import restarts
 from .distributed.topology import Topology
 from .distributed.watchdog import RankFailure
 from .plots import learning_curve
@@ -61,7 +62,18 @@ class Recorder:
         self.resumed_from = str(resumed.folder) if resumed else None
         # The rows logged up to the checkpoint; read before the loggers open, because
         # Fabric's CSV logger deletes the metrics.csv it finds.
-        earlier = earlier_rows(resumed.folder.parent.parent, resumed.frames) if resumed else []
+        earlier = []
+        if resumed:
+            earlier = [
+                (step, row)
+                for step, row in logged_rows(resumed.folder.parent.parent)
+                if step <= resumed.frames
+            ]
+        # A restart of a failed attempt (torchrun --max-restarts): record where it goes on from.
+        restarts.start(self.run_dir)
+        if restarts.attempt() > 0:
+            reached = max((step for step, _ in logged_rows(self.run_dir)), default=0)
+            restarts.restarted(self.run_dir, resumed.frames if resumed else 0, reached)
         # Open the metrics files first: Fabric's CSV logger warns about any folder that
         # already holds files when it starts. A resumed run logs the earlier rows again
         # (below), so the warning that they will be deleted does not apply to it.
@@ -188,6 +200,7 @@ class Recorder:
             "wall_s": self.elapsed(),
             "checkpoint": learners[0]["checkpoint"],
             **phases_per_step(learners),
+            **restarts.summary(self.run_dir),  # torchrun --max-restarts: how many, why, frames lost
         }
         self.progress.close()
         log.info("%s", phases_line(summary["phase_ms_per_step"], summary["phase_accounted"]))
@@ -310,17 +323,16 @@ def merge(rows: list[dict[str, float]]) -> dict[str, float]:
     return merged
 
 
-def earlier_rows(run_dir: Path, frames: int) -> list[tuple[int, dict[str, float]]]:
-    """The rows of ``run_dir``'s metrics.csv up to ``frames``, empty cells left out."""
+def logged_rows(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
+    """The rows of ``run_dir``'s metrics.csv, empty cells left out."""
     path = run_dir / "metrics.csv"
     if not path.is_file():
         return []
     with path.open(newline="") as file:
-        rows = [
+        return [
             (int(row.pop("step")), {key: float(value) for key, value in row.items() if value != ""})
             for row in csv.DictReader(file)
         ]
-    return [(step, row) for step, row in rows if step <= frames]
 
 
 class Window:

@@ -16,6 +16,7 @@ them as the ``config.yaml`` rank 0's recorder wrote into run_dir.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -28,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import checkpoint, logs
 from ..replay import ReplayShard
-from . import topology
+from . import restarts, topology
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,10 @@ def main(argv: list[str]) -> int:
     # Tree searches and gathers of a few hundred rows gain nothing from more threads.
     torch.set_num_threads(1)
     parent = f"rank 0 ({topology.LEARNER})"
-    watchdog = Watchdog(plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent)
+    watchdog = Watchdog(
+        plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent,
+        on_failure=functools.partial(restarts.failed, cfg.run_dir, plan.rank),
+    )  # fmt: skip
     with watchdog.watching():
         topology.host("replay", make_shard(cfg, plan, checkpoint.check_resume(cfg)))
         topology.connect(plan, args.address, args.port, cfg.rpc.timeout, cfg.learners.timeout)

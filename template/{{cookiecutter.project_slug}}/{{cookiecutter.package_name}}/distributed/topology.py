@@ -100,6 +100,34 @@ def slurm_main_port() -> None:
         os.environ["MASTER_PORT"] = str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000 * 3)
 
 
+def join_restarted_attempt(timeout_s: float) -> None:
+    """Under torchelastic's agent store, join the default process group under a prefix of
+    this attempt, before Fabric would join it.
+
+    torchrun's agent serves one store for every restart of its workers
+    (``TORCHELASTIC_USE_AGENT_STORE``), and torch 2.14 gives the process group's keys no
+    prefix per attempt: the workers of a restart read the addresses the dead attempt's left
+    there, and Gloo's full mesh fails ("connection refused"). Fabric finds the group made
+    and goes on with it."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or dist.is_initialized():
+        return
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        # Gloo for CPU tensors, NCCL for a GPU's: the backend Fabric would pick for either.
+        "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
+        store=dist.PrefixStore(f"attempt-{attempt}", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
 def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
     """Where rank 0 serves RPC: the named address and port, or the launcher's main address
     and the port after its c10d port. The watchdog's store takes the port after that."""

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -81,10 +81,12 @@ class Watchdog:
         timeout_s: float,
         startup_s: float,
         parent: str | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """``startup_s``: how long a rank may take to send its first heartbeat (a replay
         process starts after rank 0 has); ``parent`` names this process's parent when the
-        process must not outlive it."""
+        process must not outlive it; ``on_failure(reason)`` records why this process gives
+        up (restarts.failed), before it goes."""
         self.topology = topology
         self.timeout_s = timeout_s
         self.startup_s = startup_s
@@ -95,6 +97,7 @@ class Watchdog:
         if topology.world_size > 1:
             self.store = store(address, port, topology.rank, topology.world_size, timeout_s)
         self.parent = (parent, os.getppid()) if parent else None
+        self.on_failure = on_failure
         self._thread = threading.Thread(target=self._watch, name="watchdog", daemon=True)
 
     @contextmanager
@@ -223,6 +226,11 @@ class Watchdog:
         """Exit with code 1 after passing the reason on: the others may not have noticed
         yet, and once rank 0 leaves, its store cannot tell them."""
         log.error("stopping: %s", reason)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except OSError as error:  # a record that cannot be written must not stop the exit
+                log.warning("could not record the failure: %s", error)
         if self.store is None and threading.current_thread() is threading.main_thread():
             raise SystemExit(1)  # one process: nothing else to stop, nothing blocks the exit
         self._tell_others(FAILED, reason)
