@@ -159,13 +159,20 @@ def next_batch(
         try:
             return next(batches)
         except RuntimeError:  # how torchrl reports a worker that died, among other things
-            ended = collector.ended() if isinstance(collector, CollectorProcess) else None
-            if ended is None:
+            reason = death(collector, owner, env_id)
+            if reason is None:
                 raise
             # The child printed the traceback of what killed it, if anything did, above.
-            raise CollectorFailed(
-                f"the collector process of {owner}, collecting from {env_id}, died ({ended})"
-            ) from None
+            raise CollectorFailed(reason) from None
+
+
+def death(collector: Collector | CollectorProcess, owner: str, env_id: str) -> str | None:
+    """How ``collector``'s process died, in words naming ``owner`` and ``env_id``; None
+    while it runs, or for a collector in this process."""
+    ended = collector.ended() if isinstance(collector, CollectorProcess) else None
+    if ended is None:
+        return None
+    return f"the collector process of {owner}, collecting from {env_id}, died ({ended})"
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, config, recipes, timing
-from .collector import POLICY_VERSION, collecting, make_collector, next_batch
+from .collector import POLICY_VERSION, collecting, death, make_collector, next_batch
 from .distributed import stragglers
 from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
@@ -201,6 +201,8 @@ class Learner:
                     cfg, self.agent.policy, self.env_seed(), -1, run.device, chunk
                 )
         self.batches = iter(self.collector)
+        # An async collector's process that dies stops the run at once, not at its deadline.
+        run.watchdog.watch("collector", self.collector_death)
         # An async collector acts with its own copy of the policy, refreshed every
         # weight_sync_every updates. Each refresh is a policy version; the lag of a frame
         # is the number of updates made since the version it was collected with.
@@ -216,6 +218,12 @@ class Learner:
         self.started = time.monotonic()
         self.window = Window()
         timing.reset()
+
+    def collector_death(self) -> str | None:
+        """Why this learner's collector process died, as the run's reason; None while it
+        runs (or when it is no process)."""
+        reason = death(self.collector, self.label, self.cfg.env.id)
+        return None if reason is None else f"{self.label} failed: {reason}"
 
     def env_seed(self) -> int:
         """The seed of this learner's environments from here on. A resumed run starts new
@@ -376,6 +384,7 @@ class Learner:
         if self.window.frames:  # the frames since the last row: a run shorter than log_every gets one too
             self.report()
         train_s, phases = time.monotonic() - self.started, timing.totals()
+        self.run.watchdog.unwatch("collector")
         self.collector.shutdown()
         if replay is not None:
             replay.flush()

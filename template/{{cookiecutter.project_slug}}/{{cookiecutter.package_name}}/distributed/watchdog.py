@@ -91,6 +91,7 @@ class Watchdog:
         self.timeout_s = timeout_s
         self.startup_s = startup_s
         self.children: dict[int, subprocess.Popen] = {}
+        self.deaths: dict[str, Callable[[], str | None]] = {}  # watch(): why each child died, or None
         self.stop = StopRequest()
         self._closing = threading.Event()
         self.store = None
@@ -156,6 +157,10 @@ class Watchdog:
             if self.parent is not None and os.getppid() != self.parent[1]:
                 name, pid = self.parent
                 self._give_up(f"{name} is gone (pid {pid}): this process does not outlive it")
+            for what, death in list(self.deaths.items()):  # watch() may add one meanwhile
+                reason = death()
+                if reason is not None and what in self.deaths:  # not unwatched while asked
+                    self._give_up(reason)
             if self.store is None:
                 continue
             try:
@@ -206,6 +211,16 @@ class Watchdog:
         """Watch ``process``, this process's child hosting ``rank``: the run stops if it dies,
         and it is killed if the run stops on a failure."""
         self.children[rank] = process
+
+    def watch(self, what: str, death: Callable[[], str | None]) -> None:
+        """Stop the run within a second once ``death()`` gives the reason ``what`` died: a
+        child process no heartbeat covers (an async collector), which a wait on it would
+        otherwise notice only at its deadline."""
+        self.deaths[what] = death
+
+    def unwatch(self, what: str) -> None:
+        """``what`` is about to end on purpose."""
+        self.deaths.pop(what, None)
 
     def label(self, rank: int) -> str:
         return f"rank {rank} ({self.topology.roles[str(rank)]})"
