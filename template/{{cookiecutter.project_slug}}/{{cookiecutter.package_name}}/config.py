@@ -119,6 +119,7 @@ class RunConfig:
     total_frames: int = MISSING
     run_dir: str = MISSING
     threads: int | None = None
+    compile: bool = MISSING
     log_every: int = MISSING
     loggers: list[str] = MISSING
     experiment: str = MISSING

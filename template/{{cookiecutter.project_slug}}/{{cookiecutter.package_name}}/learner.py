@@ -173,6 +173,12 @@ class Learner:
                 process_group=run.learner_group,
                 forward_sync_buffers=False,
             )
+        self.compiling = bool(cfg.compile)
+        if cfg.compile:
+            # The loss compiled, and through AOTAutograd its backward, around DDP as PyTorch
+            # compiles DDP models (the all-reduce stays DDP's). The agent itself stays eager:
+            # checkpoints keep their keys and the collector acts with the agent's own policy.
+            self.model = torch.compile(self.model)
 
         # The straggler threshold, where it can cut rollouts (on-policy, several learners).
         self.stragglers = None
@@ -304,13 +310,16 @@ class Learner:
         (replay recipes), or None.
         """
         self.updates += 1
-        with phase("forward"):
+        # A compiled loss compiles at its first call, forward and backward: phase "compile".
+        first = "compile" if self.compiling else None
+        with phase(first or "forward"):
             loss, priorities, metrics = self.model(batch)
             priorities = checked_priorities(loss, priorities, self.where())
-        with phase("backward"):  # with DDP, the gradients' all-reduce too
+        with phase(first or "backward"):  # with DDP, the gradients' all-reduce too
             for optimizer in self.optimizers.values():
                 optimizer.zero_grad(set_to_none=True)
             (loss * weight).backward()
+        self.compiling = False
         with phase("optimizer"):
             self.agent.optimizer_step(self.optimizers, self.updates)  # the recipe's: optimizers, targets
         self.window.add_metrics(metrics)

@@ -226,7 +226,8 @@ class Recorder:
 
 def phases_per_step(learners: list[dict[str, Any]]) -> dict[str, Any]:
     """Where the learners' training time went (timing.py): each phase's milliseconds per
-    step, and the share of train_s the phases account for, both averaged over learners."""
+    step, and the share of train_s the phases account for, both averaged over learners;
+    and the seconds compiling took."""
     per_learner = [
         {
             name: 1000 * seconds / max(stats["rollouts"]["rollouts"], 1)
@@ -241,6 +242,8 @@ def phases_per_step(learners: list[dict[str, Any]]) -> dict[str, Any]:
         },
         "phase_accounted": sum(sum(stats["phase_seconds"].values()) / stats["train_s"] for stats in learners)
         / len(learners),
+        # compile=true: the first update's seconds, which compiled the loss (the slowest learner's)
+        "compile_s": max(stats["phase_seconds"].get("compile", 0.0) for stats in learners),
     }
 
 
