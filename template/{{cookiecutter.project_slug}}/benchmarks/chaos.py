@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace, seed: int, run_dir: Path, kills: int) -> dict:
         victim_name = (
             f"{kind} (rank {rank})" if kind != "collector" else f"collector of a rank {rank} learner"
         )
-        subprocess.run(["kill", "-KILL", str(victim)], check=False)
+        os.kill(victim, signal.SIGKILL)
         killed.update(found["learner"])
         done.append({"at_s": round(time.monotonic() - started, 1), "victim": victim_name})
         print(f"  kill {len(done)} at {done[-1]['at_s']:.0f} s: {victim_name}", flush=True)
@@ -179,6 +181,7 @@ def run(args: argparse.Namespace, seed: int, run_dir: Path, kills: int) -> dict:
     left_running = sorted(pid for pid in seen if alive(pid))
     left_in_shm = sorted(str(path) for path in set(SHM.iterdir()) - shm_before)
     lost = [failure["frames_lost"] for failure in summary.get("failures", [])]
+    checksums = summary.get("learner_param_checksums", {})
     # total_frames rounded up to whole collector steps of all learners, as train.py plans it
     written = run_dir / "config.yaml"
     planned = config.planned_frames(OmegaConf.load(written), LEARNERS) if written.is_file() else -1
@@ -188,8 +191,7 @@ def run(args: argparse.Namespace, seed: int, run_dir: Path, kills: int) -> dict:
         "exact frames": summary.get("frames_collected") == planned,
         "at most --every frames lost per restart": all(f is not None and f <= args.every for f in lost),
         "replay holds each frame once": summary.get("replay_size") == (planned if uses_replay(args) else 0),
-        "learners identical": len(set(summary.get("learner_param_checksums", {"-": 0, "+": 1}).values()))
-        == 1,
+        "learners identical": len(checksums) == LEARNERS and len(set(checksums.values())) == 1,
         "nothing left running": not left_running,
         "nothing left in /dev/shm": not left_in_shm,
     }

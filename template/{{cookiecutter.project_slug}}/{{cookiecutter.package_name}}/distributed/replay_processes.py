@@ -96,10 +96,10 @@ def main(argv: list[str]) -> int:
     # Tree searches and gathers of a few hundred rows gain nothing from more threads.
     torch.set_num_threads(1)
     parent = f"rank 0 ({topology.LEARNER})"
+    on_failure = functools.partial(restarts.failed, cfg.run_dir, plan.rank)
     watchdog = Watchdog(
-        plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent,
-        on_failure=functools.partial(restarts.failed, cfg.run_dir, plan.rank),
-    )  # fmt: skip
+        plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent, on_failure
+    )
     with watchdog.watching():
         topology.host("replay", make_shard(cfg, plan, checkpoint.check_resume(cfg)))
         topology.connect(plan, args.address, args.port, cfg.rpc.timeout, cfg.learners.timeout)
