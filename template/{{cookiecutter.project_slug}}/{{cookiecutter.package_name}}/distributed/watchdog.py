@@ -94,6 +94,7 @@ class Watchdog:
         self.deaths: dict[str, Callable[[], str | None]] = {}  # watch(): why each child died, or None
         self.stop = StopRequest()
         self._closing = threading.Event()
+        self._giving_up = threading.Lock()  # one reason per process, from whichever thread is first
         self.store = None
         if topology.world_size > 1:
             self.store = store(address, port, topology.rank, topology.world_size, timeout_s)
@@ -240,6 +241,10 @@ class Watchdog:
     def _give_up(self, reason: str) -> None:
         """Exit with code 1 after passing the reason on: the others may not have noticed
         yet, and once rank 0 leaves, its store cannot tell them."""
+        if not self._giving_up.acquire(blocking=False):
+            # The other thread (watchdog or main) is giving up already and ends this process:
+            # a second reason would only blur the first.
+            threading.Event().wait()
         log.error("stopping: %s", reason)
         if self.on_failure is not None:
             try:
