@@ -19,9 +19,9 @@ import functools
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -67,6 +67,9 @@ def main(argv: list[str]) -> int:
     topology.slurm_main_port()
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
     topology.join_restarted_attempt(cfg.learners.timeout)
+    # On any machine with SLURM installed, Lightning warns that a run not started by srun
+    # should be: wrong advice for `fabric run` or torchrun there (slurm.sh runs torchrun).
+    warnings.filterwarnings("ignore", message="The `srun` command is available")
     fabric = Fabric(**fabric_arguments(cfg))
     if os.environ.get("LT_CLI_USED") == "1":
         # `fabric run` already started the ranks; Fabric forbids launch()
@@ -118,12 +121,13 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType, resumed: checkpoint
     replay_processes.join(list(watchdog.children.values()), cfg.rpc.heartbeat_timeout)
     if summary is not None:
         print(f"summary: {summary}")
-    if watchdog.stop.signal == "SIGUSR1" and plan.rank == 0:
-        requeue()
     # Stopped by a signal: rank 0 says so in the exit code, as a shell does (128 + its
     # number). The other ranks exit 0: Fabric's launcher kills every rank as soon as one
-    # exits non-zero, which could cut rank 0 short of writing its records.
-    if watchdog.stop.is_set() and plan.rank == 0:
+    # exits non-zero, which could cut rank 0 short of writing its records. Under
+    # `torchrun --max-restarts` rank 0 exits 0 too: its agent would take a non-zero exit
+    # for a failure and start the ranks again; summary.json's stopped_by says why it stopped.
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if watchdog.stop.is_set() and plan.rank == 0 and not restartable:
         return 128 + signal.Signals[watchdog.stop.signal]
     return 0
 
@@ -195,21 +199,6 @@ def resumed_line(plan: topology.Topology, resumed: checkpoint.Checkpoint, uses_r
         shards = "shard" if saved == 1 else "shards"
         return f"{line}; replay restored: {sum(sizes)} transitions from {saved} {shards} into {len(sizes)}"
     return f"{line}; replay restored: {sum(sizes)} transitions in {len(sizes)} shard(s)"
-
-
-def requeue() -> None:
-    """SLURM's warning before the time limit (SIGUSR1, see slurm.sh) stopped the run at a
-    checkpoint: put the job back in the queue. It starts again with the same command, and
-    ``resume=auto`` goes on from that checkpoint."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job is None:
-        log.warning("SIGUSR1 outside a SLURM job: not requeued")
-        return
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    if result.returncode == 0:
-        log.warning("SLURM job %s requeued: it goes on from its last checkpoint", job)
-    else:
-        log.error("scontrol requeue %s failed: %s", job, result.stderr.strip())
 
 
 if __name__ == "__main__":

@@ -200,3 +200,8 @@ def test_threads_per_rank_come_from_the_cores_this_process_may_use(monkeypatch):
     for key, value in SLURM.items():
         monkeypatch.setenv(key, value)
     assert (cpus_per_rank(1), cpus_per_rank(2)) == (3, 3)
+    # Under slurm.sh the task is a torchrun agent: its node's ranks share the task's cores.
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "0")
+    assert (cpus_per_rank(1), cpus_per_rank(2), cpus_per_rank(16)) == (8, 4, 1)

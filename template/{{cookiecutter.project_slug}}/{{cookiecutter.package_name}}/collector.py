@@ -15,7 +15,6 @@ import copy
 import functools
 import logging
 import math
-import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,7 +26,7 @@ from torchrl.collectors import AsyncCollector, Collector
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from .config import COLLECT_ASYNC
-from .distributed.watchdog import STOP_SIGNALS, RankFailure, exit_status
+from .distributed.watchdog import STOP_SIGNALS, RankFailure, exit_status, signals_ignored
 from .envs import TrainingBatches, make_env
 
 log = logging.getLogger(__name__)
@@ -173,13 +172,3 @@ def death(collector: Collector | CollectorProcess, owner: str, env_id: str) -> s
     if ended is None:
         return None
     return f"the collector process of {owner}, collecting from {env_id}, died ({ended})"
-
-
-@contextmanager
-def signals_ignored(*signals: signal.Signals) -> Iterator[None]:
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

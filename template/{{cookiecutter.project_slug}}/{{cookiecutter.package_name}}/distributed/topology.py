@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlparse
 import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
-from lightning_fabric.plugins.environments import SLURMEnvironment
+from lightning_fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 
 REPLAY = "replay"
 LEARNER = "learner"
@@ -82,12 +82,15 @@ def bind_to_loopback_unless_named(address: str | None) -> None:
 
 
 def cpus_per_rank(ranks_here: int) -> int:
-    """The cores one rank of this node may use. Under srun each rank is a task with
-    ``SLURM_CPUS_PER_TASK`` cores of its own; otherwise the ranks share what this process
-    may run on (its CPU affinity: what the scheduler, a cgroup or taskset allows), which can
-    be far fewer than the machine's cores that ``os.cpu_count()`` counts."""
-    if SLURMEnvironment.detect() and "SLURM_CPUS_PER_TASK" in os.environ:
-        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]))
+    """The cores one rank of this node may use. Under SLURM a task has
+    ``SLURM_CPUS_PER_TASK`` cores: a rank's own when srun starts one task per rank, its
+    node's ranks' to share when the task is a torchrun agent (slurm.sh). Otherwise the ranks
+    share what this process may run on (its CPU affinity: what the scheduler, a cgroup or
+    taskset allows), which can be far fewer than the machine's cores that
+    ``os.cpu_count()`` counts."""
+    if "SLURM_CPUS_PER_TASK" in os.environ and SLURMEnvironment.detect():
+        ranks_per_task = ranks_here if TorchElasticEnvironment.detect() else 1
+        return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // ranks_per_task)
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
 
 

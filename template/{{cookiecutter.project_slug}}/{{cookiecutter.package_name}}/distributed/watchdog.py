@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing import resource_tracker
 
 import torch.distributed as dist
 
@@ -106,6 +107,12 @@ class Watchdog:
     def watching(self) -> Iterator[Watchdog]:
         """Watch the other ranks and catch stop signals while the block runs. An exception
         in the block is logged, told to the other ranks, and ends this process with code 1."""
+        # multiprocessing's resource tracker (one process, started on first use) ignores
+        # SIGINT and SIGTERM but dies of SLURM's SIGUSR1, which reaches every process of a
+        # job, and with it goes its record of the shared memory to clean up: start it now,
+        # ignoring them all.
+        with signals_ignored(*STOP_SIGNALS):
+            resource_tracker.ensure_running()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         if self.store is not None:
             # The first beat now, not a second from now: every rank beats before it can reach
@@ -278,3 +285,15 @@ def _exit_now(code: int, children: list[subprocess.Popen]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@contextmanager
+def signals_ignored(*signals: signal.Signals) -> Iterator[None]:
+    """Ignore ``signals`` in the block: a process started in it ignores them too (an ignored
+    signal stays ignored across fork and exec, and Python keeps it so)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
