@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -25,19 +26,22 @@ from .conftest import (
     processes_of,
     tiny_overrides,
 )
-from .test_faults import finish
+from .test_faults import finish, parent_of
 
 RECIPE = REPLAY_RECIPE or RECIPES[0]
 EVERY = 2048  # frames between checkpoints: the most a failure may cost
 FRAMES = 12288  # 24 steps of 2 learners x 256 frames
 
 
-def torchrun(run_dir: Path) -> list[str]:
-    """Two learners (and a replay process for a replay recipe) under torchelastic, allowed
-    one restart, going on from their newest checkpoint whenever they start."""
+def torchrun(run_dir: Path, nodes: str = "1", per_node: int = 2, endpoint: str | None = None) -> list[str]:
+    """Learners (and a replay process for a replay recipe) under torchelastic, allowed one
+    restart, going on from their newest checkpoint whenever they start: ``per_node``
+    learners on each of ``nodes`` nodes (one agent per node, all meeting at ``endpoint``)."""
     launcher = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
-    elastic = ["--max-restarts=1", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d"]
-    elastic += [f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    elastic = ["--max-restarts=1", f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d"]
+    elastic += [f"--rdzv-endpoint={endpoint or f'127.0.0.1:{free_port()}'}", "--local-addr=127.0.0.1"]
+    # A re-formed job waits this long for nodes beyond the fewest it may run with.
+    elastic += ["--rdzv-conf=last_call_timeout=10"]
     overrides = [
         *tiny_overrides(RECIPE),
         f"total_frames={FRAMES}",
@@ -49,6 +53,14 @@ def torchrun(run_dir: Path) -> list[str]:
     return [launcher, *elastic, "train.py", *overrides]
 
 
+def wait_for_checkpoint(process, run_dir: Path) -> None:
+    deadline = time.monotonic() + 180
+    while not checkpoint.complete(run_dir):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint was written"
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "victim",
@@ -58,11 +70,7 @@ def torchrun(run_dir: Path) -> list[str]:
 def test_a_killed_process_costs_at_most_the_frames_since_the_last_checkpoint(tmp_path, victim):
     run_dir = tmp_path / "run"
     process = launch(torchrun(run_dir))
-    deadline = time.monotonic() + 180
-    while not checkpoint.complete(run_dir):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint was written"
-        time.sleep(0.5)
+    wait_for_checkpoint(process, run_dir)
     ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
     os.kill(ranks[victim], signal.SIGKILL)
 
@@ -80,3 +88,45 @@ def test_a_killed_process_costs_at_most_the_frames_since_the_last_checkpoint(tmp
     if REPLAY_RECIPE is not None:
         assert summary["replay_size"] == FRAMES  # the checkpoint's transitions, and each new one once
     assert processes_of(run_dir) == {}, "nothing of either attempt may outlive the run"
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_leaves_the_other_training_with_fewer_learners(tmp_path):
+    """Two torchrun agents on this machine as two nodes of one learner each, under an
+    elastic rendezvous (1 to 2 nodes). The second node dies whole; the first goes on alone,
+    one learner, from the newest checkpoint, to the planned frames."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    command = torchrun(run_dir, nodes="1:2", per_node=1, endpoint=f"127.0.0.1:{port}")
+    first = launch(command)
+    # The first node hosts the rendezvous (the job cannot outlive it) and, there first, is
+    # node 0: rank 0, which keeps the records and starts the replay process.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the first node's rendezvous did not start"
+            time.sleep(0.2)
+    second = launch(command)
+    wait_for_checkpoint(first, run_dir)
+    (learner,) = [pid for pid, rank in processes_of(run_dir).items() if rank == 1]
+    assert parent_of(learner) == second.pid
+    for pid in (second.pid, learner):  # the node, all of it
+        os.kill(pid, signal.SIGKILL)
+
+    code, stderr, _ = finish(first, timeout=300)
+    assert code == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["roles"] == {"0": "learner"}  # one learner, its replay in its own process
+    assert summary["frames_collected"] == FRAMES
+    assert summary["restarts"] == 1
+    (failure,) = summary["failures"]
+    assert "rank 1 (learner)" in failure["reason"], failure
+    assert 0 <= failure["frames_lost"] <= EVERY
+    assert summary["resumed_from"] is not None
+    if REPLAY_RECIPE is not None:
+        assert summary["replay_size"] == FRAMES
+    assert processes_of(run_dir) == {}, "nothing of either node may outlive the run"
