@@ -17,8 +17,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -92,7 +94,9 @@ def slurm(tmp_path_factory) -> Iterator[dict[str, str]]:
         )
     )
     (root / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\n")
-    env = {**command_env(), "SLURM_CONF": str(conf)}
+    # The job's commands (torchrun, python) from this venv, as after `source .venv/bin/activate`.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**command_env(), "SLURM_CONF": str(conf), "PATH": path}
     munge = [sbin("munged"), "--force", f"--key-file={key}", f"--socket={root}/munge.socket"]
     munge += [f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log"]
     munge += [f"--seed-file={root}/munge.seed"]
