@@ -28,7 +28,7 @@ def test_one_update_trains_actor_critics_and_temperature_and_returns_priorities(
     # The temperature is a registered parameter, so DDP all-reduces its gradient like the
     # networks' and it stays the same on every learner.
     parameters = dict(agent.named_parameters())
-    assert "loss_module.log_alpha" in parameters
+    assert "log_alpha" in parameters
     probe = frames[:4].select("observation")
     before_policy = agent.policy(probe.clone())["loc"].detach()
     before = {name: value.detach().clone() for name, value in parameters.items()}
@@ -39,9 +39,11 @@ def test_one_update_trains_actor_critics_and_temperature_and_returns_priorities(
     loss.backward()
     agent.optimizer_step(optimizers, 1)
     changed = {name for name, value in parameters.items() if not torch.equal(value, before[name])}
-    assert "loss_module.log_alpha" in changed
+    assert "log_alpha" in changed
     assert any(name.startswith("actor.") for name in changed)
-    assert any(name.startswith("loss_module.qvalue_network_params") for name in changed)
+    assert any(name.startswith("critics.") for name in changed)
+    targets = [name for name in parameters if name.startswith("target_critics.")]
+    assert targets and not any(parameters[name].requires_grad for name in targets), "targets are not trained"
     after_policy = agent.policy(probe.clone())["loc"].detach()
     assert not torch.allclose(before_policy, after_policy), (
         "the collector's policy must share the trained weights"
@@ -50,17 +52,18 @@ def test_one_update_trains_actor_critics_and_temperature_and_returns_priorities(
 
 def test_target_critics_follow_the_critics_by_polyak_averaging():
     agent, _, batch = pendulum_agent_and_batch(sac)
-    critics = agent.loss_module.qvalue_network_params
-    targets = agent.loss_module.target_qvalue_network_params
-    torch.testing.assert_close(targets.data, critics.data)  # they start equal
+    critics, targets = agent.critics.state_dict(), agent.target_critics.state_dict()
+    for name, value in critics.items():
+        torch.testing.assert_close(targets[name], value)  # they start equal
     optimizers = agent.make_optimizers()
     loss, _, _ = agent(batch)
     loss.backward()
-    old_targets = targets.data.clone()
+    old_targets = {name: value.clone() for name, value in targets.items()}
     agent.optimizer_step(optimizers, 1)  # the critics step, then their targets follow
     tau = agent.cfg.tau
-    expected = old_targets.apply(lambda old, new: (1 - tau) * old + tau * new, critics.data)
-    torch.testing.assert_close(targets.data, expected)
+    for name, value in agent.critics.state_dict().items():
+        torch.testing.assert_close(targets[name], (1 - tau) * old_targets[name] + tau * value)
+        assert not torch.equal(targets[name], old_targets[name])
 
 
 @pytest.mark.slow

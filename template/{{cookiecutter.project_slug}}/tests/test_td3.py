@@ -33,14 +33,8 @@ def step(agent, optimizers, batch, update: int) -> None:
 
 def snapshot(agent) -> list[torch.Tensor]:
     """The actor, the critics, the target actor and the target critics, each flattened."""
-    loss_module = agent.loss_module
-    parts = (
-        loss_module.actor_network_params,
-        loss_module.qvalue_network_params,
-        loss_module.target_actor_network_params,
-        loss_module.target_qvalue_network_params,
-    )
-    return [torch.cat([p.detach().reshape(-1) for p in part.values(True, True)]).clone() for part in parts]
+    parts = (agent.actor, agent.critics, agent.target_actor, agent.target_critics)
+    return [torch.cat([p.detach().reshape(-1) for p in part.parameters()]).clone() for part in parts]
 
 
 def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_every_one():
@@ -61,14 +55,23 @@ def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_e
     ]
 
 
-def test_priorities_are_absolute_td_errors():
-    """torchrl's TD3Loss writes the larger squared TD error of the twin critics; prioritized
-    replay wants its magnitude."""
+def test_priorities_are_the_larger_absolute_td_error_of_the_twin_critics():
+    """TD3's target (Fujimoto et al., 2018): the smaller target critic's value of the
+    target actor's action plus clipped noise, bootstrapped unless the episode terminated."""
     agent, _, batch = pendulum_agent_and_batch(td3)
-    squared = batch.clone()
-    torch.manual_seed(1)  # the same target-policy smoothing noise for both
-    agent.loss_module(squared)
+    cfg = agent.cfg
     torch.manual_seed(1)
-    _, priorities, _ = agent(batch)
+    _, priorities, _ = agent(batch.clone())
+    torch.manual_seed(1)  # the same target-policy smoothing noise
+    noise = (torch.randn_like(batch["action"]) * cfg.policy_noise).clamp(-cfg.noise_clip, cfg.noise_clip)
+    with torch.no_grad():
+        next_action = agent.target_actor(batch["next"].select("observation").clone())["action"]
+        next_action = (next_action + noise).clamp(-2.0, 2.0)  # Pendulum's torque bound
+        next_input = torch.cat([batch["next", "observation"], next_action], -1)
+        next_q = torch.min(*(target(next_input) for target in agent.target_critics)).squeeze(-1)
+        bootstrap = ~batch["next", "terminated"].squeeze(-1)
+        target = batch["next", "reward"].squeeze(-1) + cfg.gamma * bootstrap * next_q
+        state_action = torch.cat([batch["observation"], batch["action"]], -1)
+        errors = torch.stack([(critic(state_action).squeeze(-1) - target).abs() for critic in agent.critics])
     assert priorities.shape == (32,)
-    torch.testing.assert_close(priorities, squared["td_error"].sqrt())
+    torch.testing.assert_close(priorities, errors.max(0).values)
