@@ -145,20 +145,34 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
 
 @pytest.mark.slow
 @pytest.mark.skipif(REPLAY_RECIPE is None, reason="async collection is for replay recipes")
-@pytest.mark.parametrize("fault", ["dies", "hangs"])
+@pytest.mark.parametrize("fault", ["dies", "dies starting", "hangs"])
 def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     run_dir = tmp_path / "run"
     overrides = [*LONG_RUN, "collector.mode=async", "collector.timeout=10", f"run_dir={run_dir}"]
-    process = start(fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
-    learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 1)
-    (collector,) = collector_processes(learner)
-    os.kill(collector, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+    command = fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides)
+    if fault == "dies starting":  # as soon as it is there, seconds before it has imported torch
+        process, deadline = launch(command), time.monotonic() + 180
+        while not (learners := [pid for pid, rank in processes_of(run_dir).items() if rank == 1]) or not (
+            collectors := collector_processes(learners[0])
+        ):
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no collector process started"
+            time.sleep(0.02)
+        (collector,) = collectors
+        assert not (run_dir / "metrics.csv").exists()
+    else:
+        process = start(command, run_dir)
+        learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 1)
+        (collector,) = collector_processes(learner)
+    os.kill(collector, signal.SIGSTOP if fault == "hangs" else signal.SIGKILL)
 
     code, stderr, seconds = finish(process, timeout=90)
     assert code != 0 and seconds < 60
+    died = "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
+    died += "CartPole-v1, died (killed by SIGKILL)"
     reason = {
-        "dies": "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
-        "CartPole-v1, died (killed by SIGKILL)",
+        "dies": died,
+        "dies starting": died,
         "hangs": "the collector of rank 1 (learner) stopped: nothing for 10 s",
     }[fault]
     # The learners say why. (Rank 0 kills the replay process as it stops, which may come

@@ -107,22 +107,37 @@ class CollectorProcess(AsyncCollector):
 
     def __init__(self, *args, **kwargs) -> None:
         self.weight_sync = SharedMemWeightSyncScheme()  # torchrl's default for this collector
-        super().__init__(*args, weight_sync_schemes={"policy": self.weight_sync}, **kwargs)
+        try:
+            super().__init__(*args, weight_sync_schemes={"policy": self.weight_sync}, **kwargs)
+        except Exception:
+            # torchrl reports a child that died while starting as a RuntimeError of its own
+            # ("failed to initialize"): say how it died instead, if it did.
+            status = self.ended(wait_s=2.0)
+            if status is None:
+                raise
+            raise ProcessDied(status) from None
 
     def shutdown(self, *args, **kwargs) -> None:
         super().shutdown(*args, **kwargs)
         self.weight_sync.shutdown()
 
-    def ended(self) -> str | None:
-        """How the child process ended, in words; None while it runs."""
-        for process in self.procs:
+    def ended(self, wait_s: float = 0.0) -> str | None:
+        """How the child process ended, in words; None while it runs (after waiting up to
+        ``wait_s`` for it to end)."""
+        for process in getattr(self, "procs", []):  # none yet if it failed before starting one
             try:
+                if wait_s:
+                    process.join(wait_s)
                 code = process.exitcode
             except ValueError:  # closed: torchrl closes the survivors when a worker fails
                 continue
             if code is not None:
                 return exit_status(code)
         return None
+
+
+class ProcessDied(Exception):
+    """The collector's process died while it started; the message says how."""
 
 
 class CollectorFailed(RankFailure):
@@ -157,18 +172,25 @@ def next_batch(
     with collecting(env_id):
         try:
             return next(batches)
-        except RuntimeError:  # how torchrl reports a worker that died, among other things
-            reason = death(collector, owner, env_id)
+        except Exception:
+            # torchrl reports a worker that died as a RuntimeError, or, while it starts, as
+            # the EOFError or broken pipe of its end of the pipe; that end can see the death
+            # a moment before the process can be reaped.
+            reason = death(collector, owner, env_id, wait_s=2.0)
             if reason is None:
                 raise
             # The child printed the traceback of what killed it, if anything did, above.
             raise CollectorFailed(reason) from None
 
 
-def death(collector: Collector | CollectorProcess, owner: str, env_id: str) -> str | None:
+def death(
+    collector: Collector | CollectorProcess, owner: str, env_id: str, wait_s: float = 0.0
+) -> str | None:
     """How ``collector``'s process died, in words naming ``owner`` and ``env_id``; None
-    while it runs, or for a collector in this process."""
-    ended = collector.ended() if isinstance(collector, CollectorProcess) else None
-    if ended is None:
-        return None
-    return f"the collector process of {owner}, collecting from {env_id}, died ({ended})"
+    while it runs (``wait_s`` seconds after the call), or for a collector in this process."""
+    ended = collector.ended(wait_s) if isinstance(collector, CollectorProcess) else None
+    return None if ended is None else died(owner, env_id, ended)
+
+
+def died(owner: str, env_id: str, status: str) -> str:
+    return f"the collector process of {owner}, collecting from {env_id}, died ({status})"

@@ -32,7 +32,16 @@ from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
 from . import checkpoint, config, recipes, timing
-from .collector import POLICY_VERSION, collecting, death, make_collector, next_batch
+from .collector import (
+    POLICY_VERSION,
+    CollectorFailed,
+    ProcessDied,
+    collecting,
+    death,
+    died,
+    make_collector,
+    next_batch,
+)
 from .distributed import stragglers
 from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
@@ -197,15 +206,23 @@ class Learner:
         # Starting an async collector's process imports torch anew: allow it more time. A
         # collector resets its envs as it starts: an env's error there is collecting's too.
         with self.collector_deadline(startup=True), collecting(cfg.env.id):
-            if self.stragglers is None:
-                self.collector = make_collector(
-                    cfg, self.agent.policy, self.env_seed(), frames, run.device, random_frames=random_frames
-                )
-            else:  # rollouts of any length: the loop counts the frames
-                chunk = self.stragglers.chunk_steps * cfg.env.num_envs
-                self.collector = make_collector(
-                    cfg, self.agent.policy, self.env_seed(), -1, run.device, chunk
-                )
+            try:
+                if self.stragglers is None:
+                    self.collector = make_collector(
+                        cfg,
+                        self.agent.policy,
+                        self.env_seed(),
+                        frames,
+                        run.device,
+                        random_frames=random_frames,
+                    )
+                else:  # rollouts of any length: the loop counts the frames
+                    chunk = self.stragglers.chunk_steps * cfg.env.num_envs
+                    self.collector = make_collector(
+                        cfg, self.agent.policy, self.env_seed(), -1, run.device, chunk
+                    )
+            except ProcessDied as status:
+                raise CollectorFailed(died(self.label, cfg.env.id, str(status))) from None
         self.batches = iter(self.collector)
         # An async collector's process that dies stops the run at once, not at its deadline.
         run.watchdog.watch("collector", self.collector_death)
