@@ -64,6 +64,9 @@ fi
 RDZV_PORT=$((15000 + SLURM_JOB_ID % 15000))
 LEARNERS_PER_NODE=${LEARNERS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 
+# SLURM's warning, from here on (before srun, so that none is lost).
+trap 'echo "SIGUSR1: the time limit is near; stopping at a checkpoint" >&2; STOPPED=1' USR1
+
 # One torchrun agent per node, named by its own address. srun passes SIGUSR1 on to every
 # process of the job step; it is for the learners, so the agent ignores it (`trap ""`, kept
 # across exec), where it would die of it and take them down before their checkpoint.
@@ -75,22 +78,21 @@ srun bash -c 'trap "" USR1; exec torchrun --local-addr="$(node_address)" "$@"' t
     checkpoint.every=100000 resume=auto \
     "$@" &
 STEP=$!
-trap 'echo "SIGUSR1: the time limit is near; stopping at a checkpoint" >&2; STOPPED=1; kill -USR1 "$STEP"' USR1
+# Once SLURM's warning has come, pass it on to the job step, and again every 10 s until the
+# learners have all ended: those that a restart was starting when it came ignore it until
+# they are up (torchrun's agent passes its ignoring on).
+since=0
+while kill -0 "$STEP" 2>/dev/null; do
+    if [ -n "${STOPPED:-}" ]; then
+        if ((since % 10 == 0)); then kill -USR1 "$STEP" 2>/dev/null || true; fi
+        since=$((since + 1))
+    fi
+    sleep 1
+done
 status=0
 wait "$STEP" || status=$?
-if [ -n "${STOPPED:-}" ]; then  # the signal cut the first wait short: wait for the learners
-    # Learners that a restart was starting when the signal came ignore it until they are up
-    # (torchrun's agent passes its ignoring on): say it again every 10 s until all have ended.
-    for ((second = 1; ; second++)); do
-        kill -0 "$STEP" 2>/dev/null || break
-        if ((second % 10 == 0)); then kill -USR1 "$STEP" 2>/dev/null || true; fi
-        sleep 1
-    done
-    status=0
-    wait "$STEP" || status=$?
-    if [ "$status" = 0 ]; then
-        echo "requeueing job $SLURM_JOB_ID: it goes on from its last checkpoint" >&2
-        scontrol requeue "$SLURM_JOB_ID"
-    fi
+if [ -n "${STOPPED:-}" ] && [ "$status" = 0 ]; then
+    echo "requeueing job $SLURM_JOB_ID: it goes on from its last checkpoint" >&2
+    scontrol requeue "$SLURM_JOB_ID"
 fi
 exit "$status"
