@@ -36,7 +36,13 @@ EVERY = 2048  # frames between checkpoints: the most the killed rank may cost
 FRAMES = 61440
 SLOW = {"updates_per_batch": 128, "epochs": 32}
 
-missing = [name for name in DAEMONS if shutil.which(name, path=os.environ["PATH"] + ":/usr/sbin") is None]
+
+def sbin(name: str) -> str | None:
+    """Where ``name`` is: on PATH, or in /usr/sbin (SLURM's and munge's daemons)."""
+    return shutil.which(name, path=os.environ["PATH"] + os.pathsep + "/usr/sbin")
+
+
+missing = [name for name in DAEMONS if sbin(name) is None]
 if missing or os.geteuid() != 0:
     why = f"needs {', '.join(missing)}" if missing else "SLURM's daemons run as root"
     if os.environ.get("REQUIRE_SLURM") == "1":
@@ -68,10 +74,6 @@ SlurmdLogFile={root}/slurmd.log
 NodeName={host} CPUs={cpus} RealMemory=4000 State=UNKNOWN
 PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
-
-
-def sbin(name: str) -> str:
-    return shutil.which(name, path=os.environ["PATH"] + ":/usr/sbin")
 
 
 @pytest.fixture(scope="module")
