@@ -4,20 +4,27 @@ Mnih et al. (2015) with the prioritized replay of Schaul et al. (2016). The runt
 collection, replay, DDP and logging; this file owns what is specific to DQN: the Q network
 (an MLP for vector observations, the Nature-DQN convolutions for Atari frames, the MinAtar
 network for MinAtar grids), epsilon-greedy exploration, the loss and the target network.
+
+The loss is written out below, as CleanRL's ``dqn.py`` writes it. torchrl's ``DQNLoss``
+computes the same loss, gradients and priorities through a functional copy of the Q
+network, which costs time on a CPU: on MinAtar Breakout, one thread, an update took 3.3
+ms with it and its ``HardUpdate``, and 2.0 ms as below, with fused Adam
+(docs/benchmarks.md, "One learner against the single-file scripts").
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictSequential
 from torch import nn
 from torchrl.envs import EnvBase
 from torchrl.modules import MLP, ConvNet, EGreedyModule, QValueActor
-from torchrl.objectives import DQNLoss, HardUpdate
 
 RUN_DEFAULTS = {
     "env": {"id": "CartPole-v1", "num_envs": 32},
@@ -120,47 +127,51 @@ class Agent(nn.Module):
         "action",
         ("next", "observation"),
         ("next", "reward"),
-        ("next", "done"),
         ("next", "terminated"),
     )
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
         self.cfg = cfg
-        action_spec = env.action_spec
+        self.action_spec = env.action_spec
         observation_shape = env.observation_spec_unbatched["observation"].shape
-        q_network = make_q_network(observation_shape, action_spec.shape[-1], list(cfg.hidden_sizes))
-        self.actor = QValueActor(q_network, in_keys=["observation"], spec=action_spec)
+        self.q_network = make_q_network(observation_shape, self.action_spec.shape[-1], list(cfg.hidden_sizes))
+        # Not trained: a copy of the Q network, refreshed every target_update_period updates.
+        self.target_network = copy.deepcopy(self.q_network).requires_grad_(False)
         self.exploration = EGreedyModule(
-            action_spec,
+            self.action_spec,
             eps_init=cfg.eps_init,
             eps_end=cfg.eps_end,
             annealing_num_steps=cfg.eps_frames,
         )
-        self.loss_module = DQNLoss(
-            self.actor,
-            loss_function="smooth_l1",
-            delay_value=True,
-            action_space=action_spec,
-        )
-        self.loss_module.make_value_estimator(gamma=cfg.gamma)
-        self.target_updater = HardUpdate(
-            self.loss_module, value_network_update_interval=cfg.target_update_period
-        )
 
     @property
     def policy(self) -> TensorDictSequential:
-        """The collector's policy: greedy actions with epsilon-random exploration."""
-        return TensorDictSequential(self.actor, self.exploration)
+        """The collector's policy: the Q network's greedy action, random with probability
+        epsilon (greedy evaluation leaves the exploration out)."""
+        actor = QValueActor(self.q_network, in_keys=["observation"], spec=self.action_spec)
+        return TensorDictSequential(actor, self.exploration)
 
     def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss on a sampled batch, and each transition's new priority: its TD error, which
-        DQNLoss writes into ``batch``."""
-        loss = self.loss_module(batch)["loss"]
-        return loss, batch["td_error"], {"loss": loss.detach(), "epsilon": self.exploration.eps.detach()}
+        """The Huber loss of the Q values of the actions taken against their one-step
+        targets, each transition weighted by its importance weight; and each transition's
+        new priority, its squared TD error (``DQNLoss``'s, with which the figures in
+        docs/benchmarks.md were measured)."""
+        reward = batch["next", "reward"].squeeze(-1)
+        terminated = batch["next", "terminated"].squeeze(-1)
+        weight = batch.get("priority_weight", torch.ones_like(reward))
+        with torch.no_grad():
+            next_q = self.target_network(batch["next", "observation"]).max(-1).values
+            target = reward + self.cfg.gamma * (~terminated) * next_q
+        # Actions are one-hot: the Q value of the action taken is a masked sum.
+        q = (self.q_network(batch["observation"]) * batch["action"]).sum(-1)
+        loss = weighted_mean(F.smooth_l1_loss(q, target, reduction="none"), weight)
+        metrics = {"loss": loss.detach(), "epsilon": self.exploration.eps.detach()}
+        return loss, (q.detach() - target).pow(2), metrics
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {"adam": torch.optim.Adam(self.loss_module.parameters(), lr=self.cfg.lr)}
+        """Adam; ``fused``: one kernel per step instead of several per tensor."""
+        return {"adam": torch.optim.Adam(self.q_network.parameters(), lr=self.cfg.lr, fused=True)}
 
     def after_collect(self, batch: TensorDictBase, frames: int, sum_over_learners: Callable) -> None:
         """Anneal epsilon by the frames all learners collected in this step, in closed form:
@@ -172,10 +183,11 @@ class Agent(nn.Module):
         eps.copy_((eps - decay).clamp(min=cfg.eps_end))
 
     def optimizer_step(self, optimizers: dict[str, torch.optim.Optimizer], update: int) -> None:
-        """After backward: Adam steps; HardUpdate counts the updates itself and copies the
-        Q network into the target every ``target_update_period``."""
+        """After backward: Adam steps, and every ``target_update_period`` updates the Q
+        network is copied into the target."""
         optimizers["adam"].step()
-        self.target_updater.step()
+        if update % self.cfg.target_update_period == 0:
+            self.target_network.load_state_dict(self.q_network.state_dict())
 
 
 def make_q_network(observation_shape: torch.Size, actions: int, hidden_sizes: list[int]) -> nn.Module:
@@ -217,3 +229,8 @@ class ToFloat(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return images.float().div_(self.scale)
+
+
+def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` under prioritized replay's importance weights."""
+    return (values * weight).sum() / weight.sum()
