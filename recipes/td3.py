@@ -10,7 +10,9 @@ defaults are a short Pendulum run that needs no extra.
 The loss is written out below, as CleanRL writes it. torchrl's ``TD3Loss`` computes the
 same losses and gradients through functional copies of the networks, which costs time on
 a CPU: on one thread, 256x256 networks and batch 256, an update took 9.7 ms with it and
-6.0 ms as below, with fused Adam (docs/benchmarks.md, "One learner against CleanRL").
+6.0 ms written out, with fused Adam; 5.4 ms (sampling included) with the actor's loss left
+out where the actor does not learn (docs/benchmarks.md, "One learner against the
+single-file scripts").
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class Agent(nn.Module):
         )
         self.target_actor = copy.deepcopy(self.actor).requires_grad_(False)
         self.target_critics = copy.deepcopy(self.critics).requires_grad_(False)
+        # Whether the next update trains the actor: optimizer_step knows the update number.
+        # A new or resumed agent's first update does, to be safe.
+        self.actor_learns = True
         self.register_buffer("low", action_spec.space.low.clone())
         self.register_buffer("high", action_spec.space.high.clone())
 
@@ -144,11 +149,12 @@ class Agent(nn.Module):
         by its importance weight; and each transition's new priority, the critics' larger
         TD error.
 
-        The actor's loss is part of every update although the actor moves every
-        ``policy_delay`` updates only: each learner then all-reduces the same gradients at
-        every update, as DDP requires, and ``optimizer_step`` leaves the actor's optimizer
-        out when it must not move. The actor's loss reads the critic through detached
-        weights, so the critics learn from their own loss only.
+        The actor learns every ``policy_delay`` updates. On the others its loss is taken
+        over no transitions, which costs next to nothing: every parameter still gets a
+        gradient (zero), so each learner all-reduces the same tensors at every update, as
+        DDP requires, and ``optimizer_step`` leaves the actor's optimizer out. The actor's
+        loss reads the critic through detached weights, so the critics learn from their
+        own loss only.
         """
         cfg = self.cfg
         observation, action = batch["observation"], batch["action"]
@@ -168,9 +174,13 @@ class Agent(nn.Module):
         errors = torch.stack([critic(state_action).squeeze(-1) - target_q for critic in self.critics])
         loss_qvalue = weighted_mean(errors.pow(2).sum(0), weight)
 
-        actor_input = torch.cat([observation, act(self.actor, observation)], -1)
-        loss_actor = weighted_mean(-frozen(self.critics[0])(actor_input).squeeze(-1), weight)
-        metrics = {"loss_actor": loss_actor.detach(), "loss_qvalue": loss_qvalue.detach()}
+        rows = len(observation) if self.actor_learns else 0
+        actor_input = torch.cat([observation[:rows], act(self.actor, observation[:rows])], -1)
+        q_actor = frozen(self.critics[0])(actor_input).squeeze(-1)
+        loss_actor = -(q_actor * weight[:rows]).sum() / weight.sum()  # weighted_mean over the rows
+        metrics = {"loss_qvalue": loss_qvalue.detach()}
+        if rows:
+            metrics["loss_actor"] = loss_actor.detach()
         return loss_actor + loss_qvalue, errors.detach().abs().max(0).values, metrics
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
@@ -196,6 +206,7 @@ class Agent(nn.Module):
                 for target, network in ((self.target_actor, self.actor), (self.target_critics, self.critics)):
                     for target_weight, weight in zip(target.parameters(), network.parameters(), strict=True):
                         target_weight.lerp_(weight, self.cfg.tau)
+        self.actor_learns = (update + 1) % self.cfg.policy_delay == 0
 
 
 def act(actor: TensorDictSequential, observation: torch.Tensor) -> torch.Tensor:

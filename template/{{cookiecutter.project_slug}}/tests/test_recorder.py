@@ -7,7 +7,7 @@ import math
 
 from {{ cookiecutter.package_name }} import config
 from {{ cookiecutter.package_name }}.distributed.topology import Topology
-from {{ cookiecutter.package_name }}.recorder import Recorder
+from {{ cookiecutter.package_name }}.recorder import Recorder, Window
 
 from .conftest import load_script
 
@@ -53,3 +53,11 @@ def test_rows_of_one_step_pair_up_by_kind_whatever_order_they_arrive_in(tmp_path
     assert recorder.train_history == [(512, 10.0)]
     merged = {"frames_per_s": 400.0, "train_return": 10.0, "loss": 2.0, "eval_return": 40.0}
     assert recorder.latest == merged
+
+
+def test_a_learners_window_averages_each_loss_over_the_updates_that_gave_it():
+    window = Window()
+    window.add_metrics({"loss_qvalue": 1.0, "loss_actor": -4.0})
+    window.add_metrics({"loss_qvalue": 3.0})  # TD3: no actor loss where the actor does not learn
+    row = window.flush({})
+    assert row["loss_qvalue"] == 2.0 and row["loss_actor"] == -4.0

@@ -22,13 +22,16 @@ def test_the_collector_explores_around_the_actor_and_evaluation_does_not():
     assert 0.05 < (noisy - greedy).std() < 0.4
 
 
-def step(agent, optimizers, batch, update: int) -> None:
-    """One update as the learner runs it: every gradient, then the recipe's optimizers."""
-    loss, _, _ = agent(batch.clone())
+def step(agent, optimizers, batch, update: int) -> tuple[dict, list[torch.Tensor]]:
+    """One update as the learner runs it: every gradient, then the recipe's optimizers.
+    Returns its metrics and the actor's gradients."""
+    loss, _, metrics = agent(batch.clone())
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    gradients = [p.grad.clone() for p in agent.actor.parameters()]
     agent.optimizer_step(optimizers, update)
+    return metrics, gradients
 
 
 def snapshot(agent) -> list[torch.Tensor]:
@@ -40,11 +43,13 @@ def snapshot(agent) -> list[torch.Tensor]:
 def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_every_one():
     agent, _, batch = pendulum_agent_and_batch(td3)
     optimizers = agent.make_optimizers()
-    moved = []
+    moved, actor_losses, zero_gradients = [], [], []
     for update in (1, 2, 3, 4):
         before = snapshot(agent)
-        step(agent, optimizers, batch, update)
+        metrics, gradients = step(agent, optimizers, batch, update)
         moved.append(tuple(not torch.equal(b, a) for b, a in zip(before, snapshot(agent), strict=True)))
+        actor_losses.append("loss_actor" in metrics)
+        zero_gradients.append(all(not g.any() for g in gradients))
     # (actor, critics, target actor, target critics) at updates 1-4. On critic-only updates
     # the actor had a gradient (DDP all-reduced it) and Adam state, yet did not move.
     assert moved == [
@@ -53,6 +58,11 @@ def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_e
         (False, True, False, False),
         (True, True, True, True),
     ]
+    # Its loss is taken over the batch where it learns, and over no transitions at update 3:
+    # a gradient of zeros, nothing logged. A new agent's first update does not know its
+    # number and takes the loss over the batch.
+    assert actor_losses == [True, True, False, True]
+    assert zero_gradients == [False, False, True, False]
 
 
 def test_priorities_are_the_larger_absolute_td_error_of_the_twin_critics():

@@ -339,14 +339,16 @@ def logged_rows(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
 
 
 class Window:
-    """A learner's metrics since its last report: throughput, mean losses, finished
-    episodes' returns, and the milliseconds per step of each phase of its steps."""
+    """A learner's metrics since its last report: throughput, mean losses (each over the
+    updates that gave it: TD3's actor loss comes every second update), finished episodes'
+    returns, and the milliseconds per step of each phase of its steps."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.steps = 0
         self.frames = 0
         self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
         self.updates = 0
         self.returns: list[float] = []
 
@@ -360,6 +362,7 @@ class Window:
         self.updates += 1
         for key, value in metrics.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
+            self.counts[key] = self.counts.get(key, 0) + 1
 
     def flush(self, phases: dict[str, float]) -> dict[str, float]:
         """The row, with ``phases`` (seconds per phase over the window, timing.take())."""
@@ -369,7 +372,7 @@ class Window:
             "updates_per_s": self.updates / elapsed,
             "train_return": sum(self.returns) / len(self.returns) if self.returns else math.nan,
         }
-        row.update({key: float(total) / self.updates for key, total in self.sums.items()})
+        row.update({key: float(total) / self.counts[key] for key, total in self.sums.items()})
         row.update(
             {f"ms_per_step/{name}": 1000 * seconds / max(self.steps, 1) for name, seconds in phases.items()}
         )
