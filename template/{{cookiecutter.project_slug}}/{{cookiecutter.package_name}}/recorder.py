@@ -340,7 +340,7 @@ def logged_rows(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
 
 class Window:
     """A learner's metrics since its last report: throughput, mean losses (each over the
-    updates that gave it: TD3's actor loss comes every second update), finished episodes'
+    updates that gave it: a recipe may log a loss on some updates only), finished episodes'
     returns, and the milliseconds per step of each phase of its steps."""
 
     def __init__(self) -> None:
