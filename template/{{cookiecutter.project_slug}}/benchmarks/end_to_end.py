@@ -29,6 +29,7 @@ from {{ cookiecutter.package_name }} import recipes  # noqa: E402
 
 # Each recipe's workload: its updates take about as long as its collection, on two cores.
 {%- set recipes = cookiecutter.recipes.split(",") | map("trim") | list %}
+{%- if "dqn" in recipes or "sac" in recipes %}
 WORKLOADS = {
 {%- if "dqn" in recipes %}
     "dqn": [
@@ -47,6 +48,9 @@ WORKLOADS = {
     ],
 {%- endif %}
 }
+{%- else %}
+WORKLOADS: dict[str, list[str]] = {}
+{%- endif %}
 
 
 def train(learners: int, mode: str, args: argparse.Namespace) -> dict:
