@@ -177,7 +177,8 @@ class Agent(nn.Module):
         rows = len(observation) if self.actor_learns else 0
         actor_input = torch.cat([observation[:rows], act(self.actor, observation[:rows])], -1)
         q_actor = frozen(self.critics[0])(actor_input).squeeze(-1)
-        loss_actor = -(q_actor * weight[:rows]).sum() / weight.sum()  # weighted_mean over the rows
+        # weighted_mean, divided by the whole batch's weight: over no rows it is 0, not 0 / 0.
+        loss_actor = -(q_actor * weight[:rows]).sum() / weight.sum()
         metrics = {"loss_qvalue": loss_qvalue.detach()}
         if rows:
             metrics["loss_actor"] = loss_actor.detach()
