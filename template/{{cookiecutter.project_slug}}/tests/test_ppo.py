@@ -45,6 +45,11 @@ def test_advantages_run_along_time_and_stop_at_episode_ends():
     advantage, target, value = batch["advantage"], batch["value_target"], batch["state_value"]
     assert advantage.shape == target.shape == value.shape == (4, 40, 1)
     torch.testing.assert_close(target, advantage + value)
+    # Each state is evaluated once: a next state's value is the following step's value, or
+    # where the episode ended or the rollout stops, that of the next state itself.
+    with torch.no_grad():
+        torch.testing.assert_close(value, agent.value(batch["observation"]))
+        torch.testing.assert_close(batch["next", "state_value"], agent.value(batch["next", "observation"]))
     # Where an episode terminated, nothing is bootstrapped from the next state or the next
     # episode: the advantage is the last reward minus the value.
     ended = batch["next", "terminated"]
@@ -71,14 +76,14 @@ def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
 
     probe = minibatch[:4].select("observation")
     before = agent.policy(probe.clone())["logits"].detach()
-    critic_before = agent.critic(probe.clone())["state_value"].detach()
+    critic_before = agent.value(probe["observation"]).detach()
     optimizers = agent.make_optimizers()
     loss.backward()
     agent.optimizer_step(optimizers, 1)  # the gradients' norm clipped, then Adam steps
     norm = torch.stack([p.grad.norm() for p in agent.parameters() if p.grad is not None]).norm()
     assert norm <= agent.cfg.max_grad_norm + 1e-6
     assert not torch.allclose(before, agent.policy(probe.clone())["logits"].detach())
-    assert not torch.allclose(critic_before, agent.critic(probe.clone())["state_value"].detach())
+    assert not torch.allclose(critic_before, agent.value(probe["observation"]).detach())
 
 
 def test_the_objective_is_the_clipped_surrogate():
@@ -88,17 +93,36 @@ def test_the_objective_is_the_clipped_surrogate():
     # Shift the behaviour log-probabilities both ways so that many ratios leave the clip range.
     shift = torch.linspace(-1.0, 1.0, 64).unsqueeze(-1)
     minibatch["action_log_prob"] = minibatch["action_log_prob"] + shift.squeeze(-1)
-    objective = agent.loss_module(minibatch.clone())["loss_objective"]
+    _, _, metrics = agent(minibatch.clone())
 
     with torch.no_grad():
-        log_prob = agent.actor.get_dist(minibatch.clone()).log_prob(minibatch["action"])
+        log_prob = agent.policy.get_dist(minibatch.clone()).log_prob(minibatch["action"])
     ratio = (log_prob - minibatch["action_log_prob"]).exp()
     advantage = minibatch["advantage"].squeeze(-1)
     advantage = (advantage - advantage.mean()) / advantage.std().clamp_min(1e-6)
     epsilon = agent.cfg.clip_epsilon
     assert ((ratio < 1 - epsilon) | (ratio > 1 + epsilon)).sum() >= 16
     clipped = torch.min(ratio * advantage, ratio.clamp(1 - epsilon, 1 + epsilon) * advantage)
-    torch.testing.assert_close(objective.detach(), -clipped.mean(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(metrics["loss_objective"], -clipped.mean(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_value_loss_is_clipped_around_the_collected_value():
+    """With ``clip_value`` (CleanRL's clip_vloss) the value loss is the larger of the squared
+    errors of the new value and of the new value kept within the clip range of the old one."""
+    agent, batch = make_agent_and_batch()
+    agent.cfg.clip_value = True
+    agent.after_collect(batch, frames=160, sum_over_learners=one_learner)
+    minibatch = batch.reshape(-1)[:64].clone()
+    minibatch["state_value"] = minibatch["state_value"] + torch.linspace(-1.0, 1.0, 64).unsqueeze(-1)
+    _, _, metrics = agent(minibatch.clone())
+
+    with torch.no_grad():
+        value = agent.value(minibatch["observation"])
+    old, target, epsilon = minibatch["state_value"], minibatch["value_target"], agent.cfg.clip_epsilon
+    clipped = old + (value - old).clamp(-epsilon, epsilon)
+    assert (clipped != value).sum() >= 16
+    expected = torch.max((value - target).square(), (clipped - target).square()).mean()
+    torch.testing.assert_close(metrics["loss_critic"], agent.cfg.critic_coeff * expected)
 
 
 def test_the_learning_rate_falls_with_the_frames_collected_and_a_restored_agent_goes_on_from_there():
@@ -138,7 +162,7 @@ def test_a_cut_rollout_bootstraps_from_the_value_of_its_next_state():
     going_on = ~cut["next", "done"][:, -1].squeeze(-1)
     assert going_on.any()
     with torch.no_grad():
-        next_value = agent.critic(cut["next"][:, -1].clone())["state_value"]
+        next_value = agent.value(cut["next", "observation"][:, -1])
     last = cut[:, -1]
     expected = last["next", "reward"] + agent.cfg.gamma * next_value - last["state_value"]
     torch.testing.assert_close(last["advantage"][going_on], expected[going_on])

@@ -117,9 +117,8 @@ def minibatches(sizes: list[int], index: int, minibatch_size: int) -> list[tuple
     all ``total_j`` frames, each frame counting once, whoever collected it. With equal
     rollouts every weight is exactly 1: the updates of a run without cuts.
 
-    PPO's loss normalises the advantages per learner's minibatch (torchrl's
-    ``normalize_advantage``), as it did before rollouts could differ; a cut learner's
-    smaller parts normalise over fewer frames.
+    PPO's loss normalises the advantages per learner's minibatch, as it did before
+    rollouts could differ; a cut learner's smaller parts normalise over fewer frames.
     """
     learners = len(sizes)
     count = max(1, min(min(sizes), math.ceil(sum(sizes) / (learners * minibatch_size))))
