@@ -3,24 +3,27 @@
     python benchmarks/stragglers.py                        # frames/s, collector.sync_frac=1 vs 0.6
     python benchmarks/stragglers.py --seeds 1 2 3          # also: learning, with and without the threshold
     python benchmarks/stragglers.py --frames 20000 --step-ms 4
+    python benchmarks/stragglers.py --env MinAtar/Breakout-v1 --frames 30000  # pixels
 
-An on-policy recipe (PPO, its defaults) on CartPole-v1 with 3 learners (``fabric run``,
-CPU), one of which (rank ``--slow-rank``) has environments ``--slowdown`` times slower
-than the others': the first run collects in lockstep (``collector.sync_frac=1``), the
-second with the threshold (``--sync-frac``); both report frames/s from their summary.json.
+An on-policy recipe (PPO, its defaults and those of ``--env``'s family) on CartPole-v1 or
+``--env`` with 3 learners (``fabric run``, CPU), one of which (rank ``--slow-rank``) has
+environments ``--slowdown`` times slower than the others': the first run collects in
+lockstep (``collector.sync_frac=1``), the second with the threshold (``--sync-frac``);
+both report frames/s from their summary.json.
 With ``--seeds``, each seed then trains with the straggler for ``--learning-frames``
 frames, in lockstep and with the threshold, and reports for each whether its greedy
 evaluation reached ``--target``, and the lowest of its last three evaluations: a curve
 that reaches the target and falls back has not learnt.
 
-CartPole steps in microseconds, so "4 times slower" needs a simulator's cost first: every
-rank's CartPole takes ``--step-ms`` per step, the straggler's ``--slowdown`` times that.
-The cost is a sleep, so that it takes no core from the ranks sharing the machine's cores
-(a busy loop would make the ranks' speeds depend on the load instead of the slowdown).
-This is the benchmark's business, not the product's: importing this module registers
-``StragglerCartPole-v1``, CartPole with a wrapper that sleeps ``SIMULATOR_STEP_S`` per step,
-or ``STRAGGLER_STEP_S`` in the process whose ``RANK`` is ``STRAGGLER_RANK``; train.py
-reaches it through gymnasium's ``module:EnvId`` form of ``env.id``.
+CartPole and MinAtar step in microseconds, so "4 times slower" needs a simulator's cost
+first: every rank's env takes ``--step-ms`` per step, the straggler's ``--slowdown`` times
+that. The cost is a sleep, so that it takes no core from the ranks sharing the machine's
+cores (a busy loop would make the ranks' speeds depend on the load instead of the
+slowdown). This is the benchmark's business, not the product's: importing this module
+registers ``StragglerCartPole-v1`` (or, for ``--env MinAtar/Breakout-v1``,
+``MinAtar/StragglerBreakout-v1``), the env with a wrapper that sleeps ``SIMULATOR_STEP_S``
+per step, or ``STRAGGLER_STEP_S`` in the process whose ``RANK`` is ``STRAGGLER_RANK``;
+train.py reaches it through gymnasium's ``module:EnvId`` form of ``env.id``.
 Prints a table and, last, a JSON line. Beside another benchmark, give it another ``--main-port``.
 """
 
@@ -36,14 +39,15 @@ import time
 from pathlib import Path
 
 import gymnasium as gym
-from gymnasium.envs.classic_control import CartPoleEnv
+from gymnasium.envs.registration import WrapperSpec
 
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from {{ cookiecutter.package_name }} import recipes  # noqa: E402
+from {{ cookiecutter.package_name }}.envs import family_of  # noqa: E402
 
-ENV_ID = "benchmarks.stragglers:StragglerCartPole-v1"
+BASE_ENV = "CartPole-v1"
 TARGET = 475.0
 
 
@@ -69,13 +73,32 @@ class Simulated(gym.Wrapper):
         return self.env.step(action)
 
 
-def make_simulated(**kwargs) -> gym.Env:
-    return Simulated(CartPoleEnv(**kwargs))
+def straggler_id(env_id: str) -> str:
+    """``CartPole-v1``: ``StragglerCartPole-v1``; ``MinAtar/Breakout-v1``: ``MinAtar/StragglerBreakout-v1``"""
+    namespace, _, name = env_id.rpartition("/")
+    return f"{namespace}/Straggler{name}" if namespace else f"Straggler{name}"
 
 
-if "StragglerCartPole-v1" not in gym.registry:
-    # CartPole-v1's registration, with the wrapper.
-    gym.register("StragglerCartPole-v1", make_simulated, max_episode_steps=500, reward_threshold=475.0)
+def register(env_id: str) -> None:
+    """``env_id``'s registration under ``straggler_id``, with the wrapper: the same entry
+    point, so the project gives it its family's defaults (``family_of`` registers the
+    family's ids first)."""
+    family_of(env_id)
+    spec = gym.spec(env_id)
+    wrapper = WrapperSpec("Simulated", f"{__name__}:Simulated", {})
+    gym.register(
+        straggler_id(env_id),
+        spec.entry_point,
+        reward_threshold=spec.reward_threshold,
+        max_episode_steps=spec.max_episode_steps,
+        additional_wrappers=(*spec.additional_wrappers, wrapper),
+        kwargs=spec.kwargs,
+    )
+
+
+# The benchmark names its base env to the training processes through the environment.
+if straggler_id(os.environ.get("STRAGGLER_BASE_ENV", BASE_ENV)) not in gym.registry:
+    register(os.environ.get("STRAGGLER_BASE_ENV", BASE_ENV))
 
 
 def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], step_ms: float) -> dict:
@@ -95,7 +118,7 @@ def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], 
         str(args.main_port),
         "train.py",
         f"recipe={args.recipe}",
-        f"env.id={ENV_ID}",
+        f"env.id=benchmarks.stragglers:{straggler_id(args.env)}",
         f"seed={seed}",
         f"run_dir={run_dir}",
         *overrides,
@@ -103,6 +126,7 @@ def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], 
     ]
     environment = {
         **os.environ,
+        "STRAGGLER_BASE_ENV": args.env,
         "SIMULATOR_STEP_S": str(step_ms / 1000),
         "STRAGGLER_RANK": str(args.slow_rank),
         "STRAGGLER_STEP_S": str(args.slowdown * step_ms / 1000),
@@ -128,6 +152,9 @@ def main() -> None:
     if not on_policy:
         sys.exit("error: this project has no on-policy recipe")
     parser.add_argument("--recipe", default=on_policy[0], choices=on_policy)
+    parser.add_argument(
+        "--env", default=BASE_ENV, help="the gymnasium id the ranks step (its family's defaults)"
+    )
     parser.add_argument("--frames", type=int, default=15_000, help="frames of each throughput run")
     parser.add_argument("--step-ms", type=float, default=2.0, help="every rank's env step, milliseconds")
     parser.add_argument("--slowdown", type=float, default=4.0, help="the straggler's env step / the others'")
@@ -143,7 +170,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
 
-    print(f"env step: {args.step_ms:g} ms, rank {args.slow_rank}'s {args.slowdown * args.step_ms:g} ms")
+    straggler_ms = args.slowdown * args.step_ms
+    print(f"{args.env}, env step: {args.step_ms:g} ms, rank {args.slow_rank}'s {straggler_ms:g} ms")
     throughput = {}
     short = [f"total_frames={args.frames}", "eval.every=0", "eval.episodes=2"]
     header = f"{'sync_frac':>9} {'frames/s':>9} {'frames':>7} {'updates':>7}"
@@ -213,6 +241,7 @@ def main() -> None:
             {
                 "benchmark": "stragglers",
                 "recipe": args.recipe,
+                "env": args.env,
                 "slowdown": args.slowdown,
                 "step_ms": args.step_ms,
                 "learning_step_ms": args.learning_step_ms,

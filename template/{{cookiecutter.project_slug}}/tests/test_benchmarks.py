@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
+import torch
 
 from {{ cookiecutter.package_name }} import recipes
+from {{ cookiecutter.package_name }}.envs import family_of, make_env
 
 from .conftest import RECIPES, free_port, run_command, tiny_overrides
 
@@ -101,3 +104,28 @@ def test_stragglers_benchmark_compares_lockstep_with_the_threshold():
     assert lockstep["frames"] == 1536
     assert all(row["cut"] == 0 and row["mean_fraction"] == 1.0 for row in lockstep["rollouts"].values())
     assert threshold["frames"] >= 1536 and threshold["rollouts"]["2"]["cut"] > 0
+
+
+def test_the_stragglers_pixel_env_is_the_minatar_game_with_a_simulator_cost(monkeypatch):
+    """``stragglers.py --env MinAtar/Breakout-v1``: the ranks step the same game, with the
+    MinAtar family's defaults, each step costing the simulated time."""
+    pytest.importorskip("minatar", reason="needs the [minatar] extra")
+    from benchmarks import stragglers
+
+    stragglers.register("MinAtar/Breakout-v1")
+    env_id = "benchmarks.stragglers:MinAtar/StragglerBreakout-v1"
+    assert family_of(env_id) == "minatar"
+    monkeypatch.setenv("SIMULATOR_STEP_S", "0.005")
+    simulated, plain = make_env(env_id, 2, seed=3), make_env("MinAtar/Breakout-v1", 2, seed=3)
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    steps = simulated.rollout(5, break_when_any_done=False)
+    assert time.perf_counter() - started >= 5 * 2 * 0.005
+    actions = steps["action"]
+    replay = plain.reset()
+    for step in range(5):
+        replay["action"] = actions[:, step]
+        replay = plain.step(replay)
+        assert torch.equal(replay["next", "observation"], steps["next", "observation"][:, step])
+        replay = replay["next"]
+    assert steps["observation"].dtype == torch.uint8 and steps["observation"].shape[-3:] == (4, 10, 10)
