@@ -45,7 +45,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from {{ cookiecutter.package_name }} import recipes  # noqa: E402
-from {{ cookiecutter.package_name }}.envs import family_of  # noqa: E402
+from {{ cookiecutter.package_name }}.envs import EnvUnavailable, family_of  # noqa: E402
 
 BASE_ENV = "CartPole-v1"
 TARGET = 475.0
@@ -169,6 +169,10 @@ def main() -> None:
     )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
+    try:
+        family_of(args.env)
+    except EnvUnavailable as error:
+        sys.exit(f"error: --env: {error}")
 
     straggler_ms = args.slowdown * args.step_ms
     print(f"{args.env}, env step: {args.step_ms:g} ms, rank {args.slow_rank}'s {straggler_ms:g} ms")
