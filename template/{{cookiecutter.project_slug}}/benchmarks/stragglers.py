@@ -97,8 +97,9 @@ def register(env_id: str) -> None:
 
 
 # The benchmark names its base env to the training processes through the environment.
-if straggler_id(os.environ.get("STRAGGLER_BASE_ENV", BASE_ENV)) not in gym.registry:
-    register(os.environ.get("STRAGGLER_BASE_ENV", BASE_ENV))
+base_env = os.environ.get("STRAGGLER_BASE_ENV", BASE_ENV)
+if straggler_id(base_env) not in gym.registry:
+    register(base_env)
 
 
 def train(args: argparse.Namespace, name: str, seed: int, overrides: list[str], step_ms: float) -> dict:
