@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torch.func import functional_call
@@ -109,25 +109,18 @@ class Agent(nn.Module):
         observations = env.observation_spec["observation"].shape[-1]
         actions = action_spec.shape[-1]
         hidden = list(cfg.hidden_sizes)
-        self.actor = ProbabilisticActor(
-            TensorDictModule(
-                nn.Sequential(
-                    MLP(
-                        in_features=observations,
-                        out_features=2 * actions,
-                        num_cells=hidden,
-                        activation_class=nn.ReLU,
-                    ),
-                    NormalParamExtractor(),
-                ),
-                in_keys=["observation"],
-                out_keys=["loc", "scale"],
+        # The actor's network: each action's mean and scale, for a tanh-squashed Normal
+        # between the bounds. The bounds are buffers, so they move to the learner's device
+        # with the agent: a CUDA graph of the update cannot copy them there from the CPU.
+        self.actor = nn.Sequential(
+            MLP(
+                in_features=observations, out_features=2 * actions, num_cells=hidden, activation_class=nn.ReLU
             ),
-            in_keys=["loc", "scale"],
-            spec=action_spec,
-            distribution_class=TanhNormal,
-            distribution_kwargs={"low": action_spec.space.low, "high": action_spec.space.high},
+            NormalParamExtractor(),
         )
+        self.action_spec = action_spec
+        self.register_buffer("low", action_spec.space.low.clone())
+        self.register_buffer("high", action_spec.space.high.clone())
         # Q(s, a) on the observation and the action side by side.
         self.critics = nn.ModuleList(
             MLP(
@@ -142,11 +135,17 @@ class Agent(nn.Module):
     @property
     def policy(self) -> ProbabilisticActor:
         """The collector's policy: samples from the actor (greedy evaluation takes its mode)."""
-        return self.actor
+        return ProbabilisticActor(
+            TensorDictModule(self.actor, in_keys=["observation"], out_keys=["loc", "scale"]),
+            in_keys=["loc", "scale"],
+            spec=self.action_spec,
+            distribution_class=TanhNormal,
+            distribution_kwargs={"low": self.low, "high": self.high},
+        )
 
     def sample(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Actions drawn from the actor by reparameterisation, and their log-probabilities."""
-        dist = self.actor.get_dist(TensorDict(observation=observation, batch_size=observation.shape[:1]))
+        dist = TanhNormal(*self.actor(observation), low=self.low, high=self.high)
         action = dist.rsample()
         return action, dist.log_prob(action)
 
