@@ -184,6 +184,12 @@ class Agent(nn.Module):
             metrics["loss_actor"] = loss_actor.detach()
         return loss_actor + loss_qvalue, errors.detach().abs().max(0).values, metrics
 
+    @property
+    def update_path(self) -> bool:
+        """Whether the next update's loss includes the actor's: with cudagraphs=true the
+        learner records each path of ``forward`` as its own CUDA graph."""
+        return self.actor_learns
+
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """Adam for each; ``fused``: one kernel per step instead of several per tensor."""
         lr = self.cfg.lr

@@ -49,13 +49,7 @@ def main(argv: list[str]) -> int:
         if not FLAGS & set(argv):  # --help and --print-config run nothing
             checkpoint.check_run_dir(cfg, resumed)
     except config.ConfigError as error:
-        # Under `fabric run` every rank checks the same config and rank 0 says what is
-        # wrong. The others wait a moment: the launcher stops all ranks as soon as one exits.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr)
-        else:
-            time.sleep(5)
-        return 2
+        return refused(error)
     if {"-h", "--help"} & set(argv):
         print(usage.render(cfg, recipe, DEFAULTS))
         return 0
@@ -71,10 +65,25 @@ def main(argv: list[str]) -> int:
     # should be: wrong advice for `fabric run` or torchrun there (slurm.sh runs torchrun).
     warnings.filterwarnings("ignore", message="The `srun` command is available")
     fabric = Fabric(**fabric_arguments(cfg))
+    try:
+        config.check_device(cfg, fabric.device, fabric.world_size)
+    except config.ConfigError as error:
+        return refused(error)
     if os.environ.get("LT_CLI_USED") == "1":
         # `fabric run` already started the ranks; Fabric forbids launch()
         return run(fabric, cfg, recipe, resumed)
     return fabric.launch(run, cfg, recipe, resumed)
+
+
+def refused(error: config.ConfigError) -> int:
+    """Say what is wrong with the configuration in one line; the exit code. Under `fabric
+    run` every rank checks the same config and rank 0 says it. The others wait a moment:
+    the launcher stops all ranks as soon as one exits."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
+    else:
+        time.sleep(5)
+    return 2
 
 
 def fabric_arguments(cfg: DictConfig) -> dict:
@@ -93,6 +102,7 @@ def fabric_arguments(cfg: DictConfig) -> dict:
         "strategy": cfg.fabric.strategy,
         "devices": devices,
         "num_nodes": num_nodes,
+        "precision": cfg.fabric.precision,
     }
 
 
@@ -160,7 +170,9 @@ def play_role(
         log.info("%s", resumed_line(plan, resumed, uses_replay))
 
     recorder = topology.handle(plan, 0, "recorder")
-    run = learner.Run(cfg, recipe, plan, fabric.device, learner_group, watchdog, recorder, resumed)
+    run = learner.Run(
+        cfg, recipe, plan, fabric.device, learner_group, watchdog, recorder, fabric.autocast, resumed
+    )
     if uses_replay:
         replay = ReplayClient(
             [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],

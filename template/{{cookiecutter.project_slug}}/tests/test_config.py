@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -12,7 +13,7 @@ from omegaconf import OmegaConf
 from {{ cookiecutter.package_name }} import config, recipes
 from {{ cookiecutter.package_name }}.distributed.topology import Topology, cpus_per_rank
 
-from .conftest import PROJECT, REPLAY_RECIPE, load_script, needs_replay
+from .conftest import PROJECT, REPLAY_RECIPE, load_script, needs_replay, run_command
 
 train = load_script("train")
 
@@ -150,6 +151,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         ),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
         (["replay.storage=disk"], "replay.storage must be memory or memmap, got 'disk'"),
+        (["fabric.precision=16-mixed"], "fabric.precision must be 32-true or bf16-mixed, got '16-mixed'"),
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
@@ -170,6 +172,16 @@ def test_bad_input_is_one_error_line(capsys, argv, message):
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("error: ") and message in lines[0], lines[0]
     assert captured.out == ""
+
+
+def test_cudagraphs_off_a_cuda_device_is_one_error_line(tmp_path):
+    """The learners' device is Fabric's choice, known once Fabric is made: the check comes
+    after it, before any rank starts."""
+    command = [sys.executable, "train.py", "cudagraphs=true", "fabric.accelerator=cpu", f"run_dir={tmp_path}"]
+    result = run_command(command, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: cudagraphs=true needs a CUDA device; the learners run on cpu"
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_every_rank_is_a_learner_and_replay_processes_come_after():

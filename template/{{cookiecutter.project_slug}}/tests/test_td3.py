@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import pytest
 import torch
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
+from {{ cookiecutter.package_name }}.graphs import GraphedGradients
 from {{ cookiecutter.package_name }}.recipes import td3
 
 from .conftest import pendulum_agent_and_batch
@@ -85,3 +89,29 @@ def test_priorities_are_the_larger_absolute_td_error_of_the_twin_critics():
         errors = torch.stack([(critic(state_action).squeeze(-1) - target).abs() for critic in agent.critics])
     assert priorities.shape == (32,)
     torch.testing.assert_close(priorities, errors.max(0).values)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_updates_train_as_the_eager_ones():
+    """cudagraphs=true on TD3's two kinds of update, with and without the actor's loss: each
+    replays its own CUDA graph, on new batches, and the weights follow the eager updates'."""
+    agents, batches = [], []
+    for _ in range(2):
+        agent, frames, _ = pendulum_agent_and_batch(td3)
+        agent.cfg.policy_noise = 0.0  # the graph's random numbers are not eager's
+        agents.append(agent.cuda())
+        batches.append(frames.select(*agent.batch_keys).cuda())
+    (eager, graphed), frames = agents, batches[0]
+    eager_optimizers, graphed_optimizers = eager.make_optimizers(), graphed.make_optimizers()
+    graphs = GraphedGradients(graphed, graphed_optimizers, nullcontext)
+    rows = torch.Generator().manual_seed(1)
+    for update in range(1, 25):  # each kind: 5 eager calls, a recording, 6 replays
+        batch = frames[torch.randperm(len(frames), generator=rows)[:32]]
+        batch["priority_weight"] = torch.rand(32, device="cuda")
+        _, _, metrics = graphs(batch.clone(), 1.0, graphed.update_path)
+        graphed.optimizer_step(graphed_optimizers, update)
+        expected, _ = step(eager, eager_optimizers, batch, update)
+        assert metrics.keys() == expected.keys()
+    assert len(graphs.graphs) == 2
+    for mine, theirs in zip(snapshot(graphed), snapshot(eager), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)

@@ -180,6 +180,39 @@ def test_single_process_run_on_a_gpu(tmp_path, tiny):
     assert summary["frames_collected"] == summary["replay_size"] == 3072
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_trains_under_bf16_mixed_precision(tmp_path, recipe):
+    """fabric.precision=bf16-mixed: Fabric's autocast around each learner's loss, here on
+    the CPU; the run trains to its end with finite weights."""
+    overrides = [*tiny_overrides(recipe), "fabric.precision=bf16-mixed", f"run_dir={tmp_path}"]
+    result = run_command([sys.executable, "train.py", *overrides])
+    summary = read_summary(result)
+    assert "Using bfloat16 Automatic Mixed Precision" in result.stderr
+    assert summary["updates"] == expected_updates(recipe, learners=1)
+    assert math.isfinite(summary["eval_return"])
+    assert all(math.isfinite(value) for value in summary["learner_param_checksums"].values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_trains_with_cuda_graphs_in_bf16(tmp_path, recipe):
+    """cudagraphs=true: after the first calls of each graph, every update's forward and
+    backward is a replay (phase "graph"); with bf16-mixed precision too."""
+    overrides = [
+        *tiny_overrides(recipe),
+        "fabric.accelerator=cuda",
+        "cudagraphs=true",
+        "fabric.precision=bf16-mixed",
+        f"run_dir={tmp_path}",
+    ]
+    summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
+    phases = summary["phase_ms_per_step"]
+    assert phases["graph"] > 0 and "forward" not in phases and "backward" not in phases
+    assert summary["updates"] == expected_updates(recipe, learners=1)
+    assert math.isfinite(summary["eval_return"])
+    assert all(math.isfinite(value) for value in summary["learner_param_checksums"].values())
+
+
 def check_two_learner_summary(summary: dict) -> None:
     assert summary["world_size"] == 3
     assert summary["roles"] == {"0": "learner", "1": "learner", "2": "replay"}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -25,6 +26,9 @@ from . import envs, recipes
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 COLLECT_SYNC, COLLECT_ASYNC = "sync", "async"  # collector.mode
 REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
+# fabric.precision: Fabric's autocast around the learners' losses. Not "16-mixed": float16
+# needs a gradient scaler, which the learners' plain backward does not apply.
+PRECISIONS = ("32-true", "bf16-mixed")
 
 
 def one_folder(env_id: str) -> str:
@@ -90,6 +94,7 @@ class FabricConfig:
     strategy: str = MISSING
     devices: int | None = None
     num_nodes: int = MISSING
+    precision: str = MISSING
 
 
 @dataclass
@@ -120,6 +125,7 @@ class RunConfig:
     run_dir: str = MISSING
     threads: int | None = None
     compile: bool = MISSING
+    cudagraphs: bool = MISSING
     log_every: int = MISSING
     loggers: list[str] = MISSING
     experiment: str = MISSING
@@ -275,6 +281,11 @@ def validate(cfg: DictConfig) -> None:
         missing = [name for name in (tracker, "pytorch_lightning") if importlib.util.find_spec(name) is None]
         if missing:
             raise ConfigError(f"loggers: {tracker} needs {missing[0]} (pip install -e '.[{tracker}]')")
+    if cfg.fabric.precision not in PRECISIONS:
+        raise ConfigError(
+            f"fabric.precision must be {' or '.join(PRECISIONS)}, got '{cfg.fabric.precision}' "
+            "(16-mixed needs a gradient scaler, which the learners do not use: bf16-mixed does without)"
+        )
     if cfg.eval.episodes <= 0:
         raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
     if cfg.env.vectorization not in envs.VECTORIZATIONS:
@@ -291,6 +302,16 @@ def validate(cfg: DictConfig) -> None:
     if kind not in agent.action_spaces:
         needs = " or ".join(agent.action_spaces)
         raise ConfigError(f"recipe {cfg.recipe} needs {needs} actions; {cfg.env.id} has {actions}")
+
+
+def check_device(cfg: DictConfig, device: torch.device, learners: int) -> None:
+    """What the run asks of the learners' device, once Fabric has chosen it."""
+    if cfg.cudagraphs and device.type != "cuda":
+        raise ConfigError(f"cudagraphs=true needs a CUDA device; the learners run on {device.type}")
+    if cfg.cudagraphs and learners > 1:
+        # PyTorch records DDP's backward in a graph only under conditions (DDP made on a
+        # side stream, eleven eager steps first) never tried here: no machine with several GPUs.
+        raise ConfigError(f"cudagraphs=true is for one learner; this run has {learners}")
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from .distributed import stragglers
 from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
 from .evaluation import evaluate
+from .graphs import GraphedGradients
 from .recorder import Window
 from .replay import ReplayClient
 from .timing import phase, timed
@@ -62,6 +64,7 @@ class Run:
     learner_group: Any  # the learners' process group (None with one learner)
     watchdog: Watchdog  # its ``stop`` is set by SIGINT/SIGTERM on any rank
     recorder: Any  # rank 0's Recorder, reached over RPC
+    autocast: Callable[[], AbstractContextManager]  # Fabric's, for its ``fabric.precision``
     resumed: checkpoint.Checkpoint | None = None  # the checkpoint the run goes on from
 
 
@@ -188,6 +191,9 @@ class Learner:
             # compiles DDP models (the all-reduce stays DDP's). The agent itself stays eager:
             # checkpoints keep their keys and the collector acts with the agent's own policy.
             self.model = torch.compile(self.model)
+        # cudagraphs=true (one learner on a CUDA device, config.check_device): each update's
+        # forward and backward replay as a CUDA graph.
+        self.graphs = GraphedGradients(self.model, self.optimizers, run.autocast) if cfg.cudagraphs else None
 
         # The straggler threshold, where it can cut rollouts (on-policy, several learners).
         self.stragglers = None
@@ -327,15 +333,24 @@ class Learner:
         (replay recipes), or None.
         """
         self.updates += 1
-        # A compiled loss compiles at its first call, forward and backward: phase "compile".
-        first = "compile" if self.compiling else None
-        with phase(first or "forward"):
-            loss, priorities, metrics = self.model(batch)
-            priorities = checked_priorities(loss, priorities, self.where())
-        with phase(first or "backward"):  # with DDP, the gradients' all-reduce too
-            for optimizer in self.optimizers.values():
-                optimizer.zero_grad(set_to_none=True)
-            (loss * weight).backward()
+        if self.graphs is not None:
+            # Forward and backward, replayed as one CUDA graph; with compile=true the first
+            # update compiles the loss: phase "compile".
+            with phase("compile" if self.compiling else "graph"):
+                loss, priorities, metrics = self.graphs(
+                    batch, weight, getattr(self.agent, "update_path", None)
+                )
+                priorities = checked_priorities(loss, priorities, self.where())
+        else:
+            # A compiled loss compiles at its first call, forward and backward: phase "compile".
+            first = "compile" if self.compiling else None
+            with phase(first or "forward"), self.run.autocast():
+                loss, priorities, metrics = self.model(batch)
+                priorities = checked_priorities(loss, priorities, self.where())
+            with phase(first or "backward"):  # with DDP, the gradients' all-reduce too
+                for optimizer in self.optimizers.values():
+                    optimizer.zero_grad(set_to_none=True)
+                (loss * weight).backward()
         self.compiling = False
         with phase("optimizer"):
             self.agent.optimizer_step(self.optimizers, self.updates)  # the recipe's: optimizers, targets
@@ -455,8 +470,13 @@ def checked_priorities(
     The loss and the priorities come to the CPU in one copy: on a GPU each copy waits for
     the work queued before it, so this is the update's one synchronisation.
     """
-    flat = loss.new_empty(0) if priorities is None else priorities.detach().reshape(-1)
-    checked = torch.cat([loss.detach().reshape(1).to(flat.dtype), flat]).cpu()
+    # float32: under bf16-mixed precision the priorities may come in bfloat16.
+    flat = (
+        loss.new_empty(0, dtype=torch.float32)
+        if priorities is None
+        else priorities.detach().reshape(-1).float()
+    )
+    checked = torch.cat([loss.detach().reshape(1).float(), flat]).cpu()
     if not torch.isfinite(checked[0]):
         raise NonFinite(f"non-finite loss ({checked[0].item()}) at {where}")
     if not torch.isfinite(checked[1:]).all():

@@ -16,7 +16,10 @@ package, so it can be read, linted and tested on its own. It defines:
     The learner's loop reads ``CONFIG_FIELDS`` from it.
 ``Agent(cfg, env)``
     An ``nn.Module`` holding every trained parameter, with the members of ``AgentProtocol``
-    below (and ``batch_keys`` in a replay recipe).
+    below (and ``batch_keys`` in a replay recipe). An Agent whose ``forward`` computes
+    something else at some updates (TD3: the actor's loss every ``policy_delay`` updates)
+    says which in an ``update_path`` attribute, any hashable value: ``cudagraphs=true``
+    records a CUDA graph per path and would otherwise replay the first one at every update.
 
 ``load`` checks all of this when a recipe loads and names what is missing in one line.
 docs/adding-a-recipe.md explains each part and adds a recipe step by step.
