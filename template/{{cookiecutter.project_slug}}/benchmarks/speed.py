@@ -7,7 +7,8 @@
 Each recipe trains in one process with one torch thread on the workload a user of its
 family would run (the MuJoCo, MinAtar or Atari settings of its ``FAMILY_DEFAULTS``, which
 need the project's extras), with updates from early on (``--learning-starts`` for replay
-recipes) and no evaluation: ``compile=false``, then ``compile=true``. For each it prints
+recipes) and no evaluation: ``compile=false``, then ``compile=true`` (benchmarks/gpu.py adds
+``cudagraphs=true`` on a GPU). For each it prints
 frames/s, updates/s, the milliseconds of one update (forward, backward and optimizers, from
 the run's phase timings), the seconds compiling took and, for compile, the updates after
 which it has paid for itself. Prints a table and, last, one JSON line.
@@ -46,10 +47,17 @@ WORKLOADS = {
     "td3": "Hopper-v5",
 {%- endif %}
 }
-UPDATE_PHASES = ("forward", "backward", "optimizer")
+UPDATE_PHASES = ("forward", "backward", "graph", "optimizer")
+# Each mode's overrides: cudagraphs (a CUDA device only) compiles the loss too, as LeanRL does.
+MODES = {
+    "eager": ["compile=false", "cudagraphs=false"],
+    "compiled": ["compile=true", "cudagraphs=false"],
+    "cudagraphs": ["compile=true", "cudagraphs=true"],
+}
 
 
-def train(args: argparse.Namespace, recipe: str, mode: str) -> dict:
+def train(args: argparse.Namespace, recipe: str, mode: str, extra: tuple[str, ...] = ()) -> dict:
+    """One run of ``recipe`` in ``mode`` (and ``extra`` overrides): its figures, from summary.json."""
     run_dir = PROJECT / "runs" / "benchmarks" / f"speed-{recipe}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     command = [
@@ -61,7 +69,7 @@ def train(args: argparse.Namespace, recipe: str, mode: str) -> dict:
         "threads=1",
         "eval.every=0",
         "eval.episodes=1",
-        f"compile={'true' if mode == 'compiled' else 'false'}",
+        *MODES[mode],
         f"run_dir={run_dir}",
     ]
     module = recipes.load(recipe)
@@ -69,7 +77,7 @@ def train(args: argparse.Namespace, recipe: str, mode: str) -> dict:
         command += [f"algo.learning_starts={args.learning_starts}"]
         if "random_frames" in {field.name for field in dataclasses.fields(module.Config)}:
             command += [f"algo.random_frames={args.learning_starts}"]
-    command += args.overrides
+    command += [*extra, *args.overrides]
     result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(command[1:])} failed:\n{result.stderr[-2000:]}")
@@ -84,10 +92,31 @@ def train(args: argparse.Namespace, recipe: str, mode: str) -> dict:
         "updates_per_s": summary["updates_per_s"],
         "updates": summary["updates"],
         # The first update of a compiled loss is its compile time, not counted here.
-        "update_ms": 1000 * update_s / max(summary["updates"] - (mode == "compiled"), 1),
+        "update_ms": 1000 * update_s / max(summary["updates"] - (mode != "eager"), 1),
         "compile_s": summary["compile_s"],
         "phase_ms_per_step": summary["phase_ms_per_step"],
     }
+
+
+HEADER = "{:<6} {:<20} {:<10} {:>8} {:>9} {:>10} {:>10} {:>10} {:>11}".format(
+    "recipe", "env", "mode", "train s", "frames/s", "updates/s", "ms/update", "compile s", "pays after"
+)
+
+
+def print_row(recipe: str, mode: str, run: dict, eager: dict | None) -> None:
+    """One run's row; a compiled one also gets the updates after which its compile time
+    is paid back by its faster updates (``pays_after_updates``), against ``eager``."""
+    pays = "-"
+    if mode != "eager" and eager is not None:
+        saved_ms = eager["update_ms"] - run["update_ms"]
+        run["pays_after_updates"] = round(1000 * run["compile_s"] / saved_ms) if saved_ms > 0 else None
+        pays = f"{run['pays_after_updates']} upd" if run["pays_after_updates"] else "never"
+    print(
+        f"{recipe:<6} {run['env']:<20} {mode:<10} {run['train_s']:>8.1f} "
+        f"{run['frames_per_s']:>9.0f} {run['updates_per_s']:>10.1f} {run['update_ms']:>10.2f} "
+        f"{run['compile_s']:>10.1f} {pays:>11}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -103,24 +132,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
     args = parser.parse_args()
 
-    header = ("recipe", "env", "mode", "train s", "frames/s", "updates/s", "ms/update", "compile s")
-    print("{:<6} {:<20} {:<9} {:>8} {:>9} {:>10} {:>10} {:>10} {:>11}".format(*header, "pays after"))
+    print(HEADER)
     figures = {"benchmark": "speed", "frames": args.frames, "recipes": {}}
     for recipe in args.recipes:
-        runs = {mode: train(args, recipe, mode) for mode in args.modes}
-        for mode, run in runs.items():
-            pays = "-"
-            if mode == "compiled" and "eager" in runs:
-                saved_ms = runs["eager"]["update_ms"] - run["update_ms"]
-                pays_after = round(1000 * run["compile_s"] / saved_ms) if saved_ms > 0 else None
-                run["pays_after_updates"] = pays_after
-                pays = f"{run['pays_after_updates']} upd" if run["pays_after_updates"] else "never"
-            print(
-                f"{recipe:<6} {run['env']:<20} {mode:<9} {run['train_s']:>8.1f} "
-                f"{run['frames_per_s']:>9.0f} {run['updates_per_s']:>10.1f} {run['update_ms']:>10.2f} "
-                f"{run['compile_s']:>10.1f} {pays:>11}"
-            )
-        figures["recipes"][recipe] = runs
+        runs = figures["recipes"][recipe] = {}
+        for mode in sorted(args.modes, key=list(MODES).index):  # eager first: the others' reference
+            runs[mode] = train(args, recipe, mode)
+            print_row(recipe, mode, runs[mode], runs.get("eager"))
     print(json.dumps(figures))
 
 

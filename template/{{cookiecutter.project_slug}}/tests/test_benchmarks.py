@@ -36,6 +36,13 @@ def test_learning_benchmark_wants_a_target_for_another_env():
     assert result.stdout == ""
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the benchmark would run")
+def test_the_gpu_benchmark_without_a_gpu_stops_in_one_line():
+    result = run_command([sys.executable, "benchmarks/gpu.py", "--frames", "1000"], timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: benchmarks/gpu.py needs a CUDA device; torch sees none"
+
+
 @pytest.mark.slow
 def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
     recipe, *overrides = (item for item in tiny if not item.startswith("total_frames="))
