@@ -50,17 +50,7 @@ def scaling(args: argparse.Namespace, recipe: str, gpus: int) -> dict[int, dict]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--recipes", nargs="+", default=recipes.available(), choices=recipes.available())
-    parser.add_argument("--frames", type=int, default=10_000)
-    parser.add_argument(
-        "--learning-starts", type=int, default=2_000, help="replay recipes: frames before the first update"
-    )
-    parser.add_argument("--modes", nargs="+", default=list(speed.MODES), choices=list(speed.MODES))
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
-    args = parser.parse_args()
+    args = speed.parse(__doc__, 10_000, list(speed.MODES))
     if not torch.cuda.is_available():
         sys.exit("error: benchmarks/gpu.py needs a CUDA device; torch sees none")
 

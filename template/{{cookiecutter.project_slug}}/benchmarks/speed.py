@@ -119,18 +119,22 @@ def print_row(recipe: str, mode: str, run: dict, eager: dict | None) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def parse(description: str, frames: int, modes: list[str]) -> argparse.Namespace:
+    """The command line of this benchmark and of gpu.py: ``frames`` per run by default, the
+    modes it may run."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=recipes.available(), choices=recipes.available())
-    parser.add_argument("--frames", type=int, default=20_000)
+    parser.add_argument("--frames", type=int, default=frames)
     parser.add_argument(
         "--learning-starts", type=int, default=2_000, help="replay recipes: frames before the first update"
     )
-    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    parser.add_argument("--modes", nargs="+", default=modes, choices=modes)
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for train.py")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse(__doc__, 20_000, ["eager", "compiled"])
 
     print(HEADER)
     figures = {"benchmark": "speed", "frames": args.frames, "recipes": {}}

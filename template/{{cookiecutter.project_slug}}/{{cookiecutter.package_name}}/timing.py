@@ -5,7 +5,8 @@ The steps' parts are timed where they run: ``timed(phase)`` on the methods the l
 checkpoints), ``phase(name)`` around the parts of an update (forward, backward with its
 all-reduce, the optimizers; with ``cudagraphs=true`` forward and backward are one phase,
 "graph"; with ``compile=true`` the first update, which compiles the loss, is "compile").
-A phase inside another is the outer one's time, so nothing is counted twice. Two clock reads a phase, about a microsecond: cheap enough to leave on.
+A phase inside another is the outer one's time, so nothing is counted twice. Two clock
+reads a phase, about a microsecond: cheap enough to leave on.
 
 A learner reports each window's phases in its metrics rows and the run's totals in
 summary.json, where the recorder writes one line of them at the end. One learner per
