@@ -28,8 +28,6 @@ import sys
 import speed
 import torch
 
-from {{ cookiecutter.package_name }} import recipes
-
 # LeanRL's README, steps/s on one H100: CleanRL's eager script, LeanRL's compile + CUDA graphs.
 LEANRL = {
     "ppo": ("ppo_continuous_action", 652, 1_774),
@@ -54,10 +52,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("error: benchmarks/gpu.py needs a CUDA device; torch sees none")
 
-    gpus = torch.cuda.device_count()
-    print(f"{torch.cuda.get_device_name()} x {gpus}, torch {torch.__version__}")
+    gpus, device = torch.cuda.device_count(), torch.cuda.get_device_name()
+    print(f"{device} x {gpus}, torch {torch.__version__}")
     print(speed.HEADER)
-    figures = {"benchmark": "gpu", "device": torch.cuda.get_device_name(), "frames": args.frames, "recipes": {}}
+    figures = {"benchmark": "gpu", "device": device, "frames": args.frames, "recipes": {}}
     for recipe in args.recipes:
         runs = figures["recipes"][recipe] = {}
         for mode in sorted(args.modes, key=list(speed.MODES).index):  # eager first: the others' reference

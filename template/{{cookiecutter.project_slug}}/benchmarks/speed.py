@@ -122,7 +122,9 @@ def print_row(recipe: str, mode: str, run: dict, eager: dict | None) -> None:
 def parse(description: str, frames: int, modes: list[str]) -> argparse.Namespace:
     """The command line of this benchmark and of gpu.py: ``frames`` per run by default, the
     modes it may run."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--recipes", nargs="+", default=recipes.available(), choices=recipes.available())
     parser.add_argument("--frames", type=int, default=frames)
     parser.add_argument(
