@@ -65,10 +65,7 @@ def main() -> None:
     print(speed.HEADER)
     figures = {"benchmark": "gpu", "device": device, "frames": args.frames, "recipes": {}}
     for recipe in args.recipes:
-        runs = figures["recipes"][recipe] = {}
-        for mode in sorted(args.modes, key=list(speed.MODES).index):  # eager first: the others' reference
-            runs[mode] = speed.train(args, recipe, mode, ON_GPU)
-            speed.print_row(recipe, mode, runs[mode], runs.get("eager"))
+        figures["recipes"][recipe] = speed.run_modes(args, recipe, ON_GPU)
         if recipe in LEANRL:
             script, eager, fast = LEANRL[recipe]
             print(f"{'':<6} LeanRL, H100: {script} {eager} steps/s eager, {fast} compiled with CUDA graphs")

@@ -119,6 +119,16 @@ def print_row(recipe: str, mode: str, run: dict, eager: dict | None) -> None:
     )
 
 
+def run_modes(args: argparse.Namespace, recipe: str, extra: tuple[str, ...] = ()) -> dict[str, dict]:
+    """``recipe`` in each of ``args.modes``, eager first (the others' reference), each
+    row printed as its run ends: mode -> figures."""
+    runs = {}
+    for mode in sorted(args.modes, key=list(MODES).index):
+        runs[mode] = train(args, recipe, mode, extra)
+        print_row(recipe, mode, runs[mode], runs.get("eager"))
+    return runs
+
+
 def parse(description: str, frames: int, modes: list[str]) -> argparse.Namespace:
     """The command line of this benchmark and of gpu.py: ``frames`` per run by default, the
     modes it may run."""
@@ -141,10 +151,7 @@ def main() -> None:
     print(HEADER)
     figures = {"benchmark": "speed", "frames": args.frames, "recipes": {}}
     for recipe in args.recipes:
-        runs = figures["recipes"][recipe] = {}
-        for mode in sorted(args.modes, key=list(MODES).index):  # eager first: the others' reference
-            runs[mode] = train(args, recipe, mode)
-            print_row(recipe, mode, runs[mode], runs.get("eager"))
+        figures["recipes"][recipe] = run_modes(args, recipe)
     print(json.dumps(figures))
 
 
