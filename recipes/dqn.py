@@ -94,11 +94,11 @@ class Config:
     gamma: float = 0.99
     """discount factor"""
     batch_size: int = 64
-    """transitions per prioritized sample, per learner and update"""
+    """transitions per update, all learners together (learners.batch)"""
     # Gradient updates after each collector batch (256 frames per learner by default):
     # each frame is replayed 32 times on average, as in the SB3 zoo's setting.
     updates_per_batch: int = 128
-    """gradient updates per learner after each collector batch"""
+    """gradient updates per collector batch (frames_per_batch), all learners together"""
     learning_starts: int = 1000
     """frames (all learners) collected before the first update"""
     eps_init: float = 1.0

@@ -61,10 +61,10 @@ class Config:
     gamma: float = 0.99
     """discount factor"""
     batch_size: int = 256
-    """transitions per prioritized sample, per learner and update"""
-    # One update per frame this learner collected: CleanRL's one gradient step per env step.
+    """transitions per update, all learners together (learners.batch)"""
+    # One update per frame collected: CleanRL's one gradient step per env step.
     updates_per_batch: int = 64
-    """gradient updates per learner after each collector batch"""
+    """gradient updates per collector batch (frames_per_batch), all learners together"""
     learning_starts: int = 25_000
     """frames (all learners) collected before the first update"""
     # A deterministic actor with a little noise would fill replay with a narrow band of

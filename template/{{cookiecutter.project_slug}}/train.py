@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message="The `srun` command is available")
     fabric = Fabric(**fabric_arguments(cfg))
     try:
-        config.check_device(cfg, fabric.device, fabric.world_size)
+        config.check_learners(cfg, fabric.device, fabric.world_size)
     except config.ConfigError as error:
         return refused(error)
     if os.environ.get("LT_CLI_USED") == "1":
@@ -176,7 +176,7 @@ def play_role(
     if uses_replay:
         replay = ReplayClient(
             [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
-            cfg.algo.batch_size,
+            config.learner_batch(cfg, len(plan.learner_ranks), plan.learner_index)[0],
             cfg.replay.beta,
             cfg.replay.batches_per_request,
             first_shard=plan.learner_index,

@@ -155,6 +155,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
+        (["learners.batch=each"], "learners.batch must be run or learner, got 'each'"),
         (["loggers=[csv,neptune]"], "unknown logger 'neptune' in loggers (choose from csv, tensorboard"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         pytest.param(
@@ -181,6 +182,21 @@ def test_cudagraphs_off_a_cuda_device_is_one_error_line(tmp_path):
     result = run_command(command, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "error: cudagraphs=true needs a CUDA device; the learners run on cpu"
+    assert not (tmp_path / "summary.json").exists()
+
+
+@needs_replay
+def test_a_batch_too_small_to_deal_out_over_the_learners_is_one_error_line(tmp_path):
+    """learners.batch=run deals each update's batch out over the learners, a transition at
+    least for each: known once Fabric knows how many learners there are."""
+    command = [sys.executable, "train.py", f"recipe={REPLAY_RECIPE}", "algo.batch_size=1"]
+    command += ["fabric.accelerator=cpu", "fabric.devices=2", f"run_dir={tmp_path}"]
+    result = run_command(command, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: algo.batch_size (1) is dealt out over the learners (learners.batch=run): "
+        "it needs at least one transition for each of the 2"
+    )
     assert not (tmp_path / "summary.json").exists()
 
 

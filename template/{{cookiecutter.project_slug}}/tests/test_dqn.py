@@ -43,6 +43,35 @@ def test_loss_returns_priorities_and_the_update_reaches_the_collector_policy():
     assert not torch.allclose(before, after), "the collector's policy must share the trained weights"
 
 
+def test_a_batch_dealt_out_over_three_learners_has_the_whole_batchs_gradient():
+    """learners.batch=run: 8 transitions as 3, 3 and 2, each learner's loss weighted as
+    ``config.learner_batch`` says and the gradients averaged as DDP averages them, give the
+    gradient of all 8 on one learner (uniform replay: no importance weights)."""
+    torch.manual_seed(0)
+    env = make_env("CartPole-v1", num_envs=4, seed=0)
+    agent = dqn.Agent(dqn.Config(hidden_sizes=[16]), env)
+    batch = collect_one_batch(env, agent.policy, 8).reshape(-1).select(*agent.batch_keys)
+    overrides = ["recipe=dqn", "algo.batch_size=8", "algo.updates_per_batch=2"]
+    cfg = config.load(overrides, train.DEFAULTS)
+    shares = [config.learner_batch(cfg, 3, index) for index in range(3)]
+    assert [(size, updates) for size, updates, _ in shares] == [(3, 6), (3, 6), (2, 6)]
+
+    parameters = [parameter for parameter in agent.parameters() if parameter.requires_grad]
+    whole = torch.autograd.grad(agent(batch)[0], parameters)
+    parts = batch.split([size for size, _, _ in shares])
+    averaged = [torch.zeros_like(parameter) for parameter in parameters]
+    for part, (_, _, weight) in zip(parts, shares, strict=True):
+        for total, grad in zip(
+            averaged, torch.autograd.grad(agent(part)[0] * weight, parameters), strict=True
+        ):
+            total += grad / 3
+    for expected, got in zip(whole, averaged, strict=True):
+        torch.testing.assert_close(got, expected)
+
+    each = config.load([*overrides, "learners.batch=learner"], train.DEFAULTS)
+    assert [config.learner_batch(each, 3, index) for index in range(3)] == [(8, 2, 1.0)] * 3
+
+
 def test_minatar_replays_uniformly_as_the_paper_and_the_command_line_wins():
     pytest.importorskip("minatar", reason="needs the [minatar] extra")
     assert config.load(["recipe=dqn"], train.DEFAULTS).replay.alpha == 0.6

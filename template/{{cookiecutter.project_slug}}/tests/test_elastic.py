@@ -243,7 +243,8 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
     assert [shard.stats()["size"] for shard in dealt] == [192, 192]
     assert priority_table([saved]) == pytest.approx(priority_table(dealt), rel=1e-5, abs=1e-9)
 
-    # Steps of 3 x 32 frames from 384 to 768; learning started long ago: 2 updates a step.
+    # Steps of 3 x 32 frames from 384 to 768; learning started long ago: 3 x 2 updates a
+    # step, each of 8 transitions dealt out as 3, 3 and 2.
     resumed = learners_run(3, *overrides, "replay.ranks=2", "total_frames=768", f"resume={run_dir}")
     summary = read_summary(resumed)
     assert summary["roles"] == {"0": "learner", "1": "learner", "2": "learner", "3": "replay", "4": "replay"}
@@ -253,7 +254,7 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
     assert summary["replay_size"] == 768  # what was saved, and each new frame once
     # Each learner writes to the shards in turn, starting from its own: 6 x 32 frames each.
     assert summary["replay_shard_sizes"] == [192 + 192, 192 + 192]
-    assert summary["updates"] == meta.updates + 4 * 2
+    assert summary["updates"] == meta.updates + 4 * 6
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert all(rollouts["frames"] == 4 * 32 for rollouts in summary["learner_rollouts"].values())
 

@@ -71,11 +71,13 @@ class Run:
 def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
     """Train a replay recipe until ``total_frames`` or a stop request.
 
-    In ``collector.mode=async`` the collector's process gathers the next batch while this
+    With ``learners.batch=run`` (the default) N learners make N times one learner's
+    updates a step, each on its ``batch_size`` transitions dealt out over them
+    (``config.learner_batch``): per frame, the updates of one learner. In
+    ``collector.mode=async`` the collector's process gathers the next batch while this
     loop trains on the current one, and waits until the loop asks for it: inserts and
-    samples keep the ratio of ``sync`` mode (``updates_per_batch`` batches of
-    ``batch_size`` per ``frames_per_batch`` collected), give or take the one batch in
-    flight, whichever side is faster waiting for the other.
+    samples keep the ratio of ``sync`` mode, give or take the one batch in flight,
+    whichever side is faster waiting for the other.
     """
     cfg = run.cfg
     learner = Learner(run)
@@ -94,9 +96,10 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
         if learner.frames >= learning_starts:
             if replay.sampled == 0:
                 replay.flush()  # the first sample must see this learner's own frames
-            for _ in range(algo.updates_per_batch):
+            for _ in range(learner.updates_per_step):
                 sample = replay.sample()  # prioritized, across the shards; prefetched
-                priorities = learner.update(sample.to(run.device))  # loss, backward (all-reduce), step
+                # Loss, backward (all-reduce), step.
+                priorities = learner.update(sample.to(run.device), learner.batch_weight)
                 replay.update_priority(sample, priorities)  # asynchronous
         if learner.due(cfg.log_every):
             learner.report()
@@ -162,6 +165,8 @@ class Learner:
         # This learner's rollouts in this process: their frames, how many, how many cut,
         # and the sum of the fractions of a full rollout they collected.
         self.collected, self.rollouts, self.rollouts_cut, self.rollout_fractions = 0, 0, 0, 0.0
+        if run.recipe.Agent.uses_replay:  # replay's batches dealt out over the learners
+            _, self.updates_per_step, self.batch_weight = config.learner_batch(cfg, self.learners, self.index)
 
         # The same seed on every learner gives identical initial weights (DDP also
         # broadcasts them from the first learner); the environments get their own seeds.
@@ -191,8 +196,8 @@ class Learner:
             # compiles DDP models (the all-reduce stays DDP's). The agent itself stays eager:
             # checkpoints keep their keys and the collector acts with the agent's own policy.
             self.model = torch.compile(self.model)
-        # cudagraphs=true (one learner on a CUDA device, config.check_device): each update's
-        # forward and backward replay as a CUDA graph.
+        # cudagraphs=true (one learner on a CUDA device, config.check_learners): each
+        # update's forward and backward replay as a CUDA graph.
         self.graphs = GraphedGradients(self.model, self.optimizers, run.autocast) if cfg.cudagraphs else None
 
         # The straggler threshold, where it can cut rollouts (on-policy, several learners).
@@ -328,9 +333,9 @@ class Learner:
     def update(self, batch: TensorDictBase, weight: float = 1.0) -> torch.Tensor | None:
         """One gradient step: the recipe's loss, ``backward`` (with DDP it all-reduces the
         gradients over the learners), then the recipe's ``optimizer_step``. ``weight``
-        scales this learner's loss in that average (on-policy minibatches of different
-        sizes, see ``stragglers.minibatches``). Returns the new priorities on the CPU
-        (replay recipes), or None.
+        scales this learner's loss in that average, for batches of different sizes
+        (on-policy: ``stragglers.minibatches``; replay: ``config.learner_batch``). Returns
+        the new priorities on the CPU (replay recipes), or None.
         """
         self.updates += 1
         if self.graphs is not None:
