@@ -146,8 +146,11 @@ class Agent(nn.Module):
     def sample(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Actions drawn from the actor by reparameterisation, and their log-probabilities."""
         dist = TanhNormal(*self.actor(observation), low=self.low, high=self.high)
-        action = dist.rsample()
-        return action, dist.log_prob(action)
+        # Each action scored at the Normal value it came from, as CleanRL does. Scoring the
+        # action itself (dist.log_prob(action)) inverts the tanh, which for a saturated
+        # action gives another value: on HalfCheetah (seed 7) the loss diverged at 15,000
+        # frames.
+        return dist.rsample_and_log_prob()
 
     def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The sum of the critics', the actor's and the temperature's losses on a sampled
