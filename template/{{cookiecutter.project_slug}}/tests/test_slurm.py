@@ -31,10 +31,11 @@ from .conftest import RECIPES, REPLAY_RECIPE, command_env, free_port, processes_
 RECIPE = REPLAY_RECIPE or RECIPES[0]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 EVERY = 2048  # frames between checkpoints: the most the killed rank may cost
-# About 90 s of training here (0.7 s per step of 512 frames with 128 updates each): more
-# than the first job trains before its time limit's warning, a minute or less in.
+# About 90 s of training here (0.7 s per step of 512 frames, each of the 2 learners making
+# 128 updates: 2 x 64 with learners.batch=run): more than the first job trains before its
+# time limit's warning, a minute or less in.
 FRAMES = 61440
-SLOW = {"updates_per_batch": 128, "epochs": 32}
+SLOW = {"updates_per_batch": 64, "epochs": 32}
 
 
 def sbin(name: str) -> str | None:
