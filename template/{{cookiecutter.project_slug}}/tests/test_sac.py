@@ -18,6 +18,21 @@ def test_actions_stay_within_the_action_space():
     assert frames["action"].std() > 0.1  # the collector samples: it explores
 
 
+def test_a_saturated_action_is_scored_at_the_normal_value_it_came_from():
+    """An actor far out on the tanh: each action's log-probability is its pre-tanh Normal
+    value's, a high density. Inverting the saturated tanh instead gave about -195,000, and
+    a loss that diverged."""
+    agent, frames, _ = pendulum_agent_and_batch(sac)
+    last = agent.actor[0][-1]  # the MLP's output layer: each action's loc, then its scale
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.copy_(torch.tensor([20.0, -5.0]))
+    action, log_prob = agent.sample(frames["observation"][:8])
+    assert action.shape == (8, 1) and log_prob.shape == (8,)
+    assert ((action - 2.0).abs() < 1e-3).all()  # Pendulum's upper bound
+    assert (log_prob > 0).all(), log_prob
+
+
 def test_one_update_trains_actor_critics_and_temperature_and_returns_priorities():
     agent, frames, batch = pendulum_agent_and_batch(sac)
     loss, priorities, metrics = agent(batch)
