@@ -36,6 +36,45 @@ def test_learning_benchmark_wants_a_target_for_another_env():
     assert result.stdout == ""
 
 
+def learning_output(path, curves: list[dict[int, float]]) -> str:
+    """A file as learning.py writes it (a table, then its JSON line), with these seeds' curves."""
+    seeds = [{"seed": seed, "curve": {str(frames): value for frames, value in curve.items()}}
+             for seed, curve in enumerate(curves, 1)]  # fmt: skip
+    path.write_text("seed reached ...\n" + json.dumps({"benchmark": "learning", "seeds": seeds}) + "\n")
+    return str(path)
+
+
+def test_the_curves_benchmark_draws_each_setting_and_its_mean(tmp_path):
+    one = learning_output(tmp_path / "one.log", [{100: 1.0, 200: 3.0}, {100: 3.0, 200: 5.0}])
+    two = learning_output(tmp_path / "two.log", [{100: 2.0, 200: 2.0, 300: 9.0}])
+    three = learning_output(tmp_path / "three.log", [{100: 4.0, 200: 6.0}])
+    figure = tmp_path / "curves.png"
+    command = [
+        sys.executable,
+        "benchmarks/curves.py",
+        "--out",
+        str(figure),
+        f"a={one}",
+        f"b={two}",
+        f"b={three}",
+    ]
+    result = run_command(command, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # Each label's mean at the frames all its seeds share: b's third point is one seed's only.
+    assert json.loads(result.stdout.strip().splitlines()[-1])["means"] == {
+        "a": [[100, 2.0], [200, 4.0]],
+        "b": [[100, 3.0], [200, 4.0]],
+    }
+    assert figure.read_bytes().startswith(b"\x89PNG")
+
+    (tmp_path / "broken.log").write_text("error: seed 1 failed\n")
+    result = run_command([sys.executable, "benchmarks/curves.py", f"a={tmp_path / 'broken.log'}"], timeout=60)
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip() == f"error: {tmp_path / 'broken.log'} does not end with learning.py's JSON line"
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the benchmark would run")
 def test_the_gpu_benchmark_without_a_gpu_stops_in_one_line():
     result = run_command([sys.executable, "benchmarks/gpu.py", "--frames", "1000"], timeout=60)

@@ -1,4 +1,5 @@
-"""The learning curve drawn into run_dir at the end of a run."""
+"""The learning curve drawn into run_dir at the end of a run, and the curves of several
+runs in one figure (benchmarks/curves.py)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,34 @@ def learning_curve(
     axes.legend(loc="lower right")
     figure.savefig(path, dpi=100)
     return path
+
+
+def compared_curves(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: str) -> Path:
+    """Evaluation returns against frames, as a PNG at ``path``: for each label its runs
+    (seeds) as thin lines and their mean as a thick one, one colour per label."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4), layout="constrained")
+    axes = figure.subplots()
+    for colour, (label, runs) in enumerate(curves.items()):
+        for run in runs:
+            axes.plot(*zip(*run, strict=True), color=f"C{colour}", alpha=0.35, linewidth=1)
+        mean = mean_curve(runs)
+        axes.plot(
+            *zip(*mean, strict=True),
+            color=f"C{colour}",
+            linewidth=2.5,
+            label=f"{label} (mean of {len(runs)})",
+        )
+    axes.set(xlabel="frames", ylabel="greedy evaluation return", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.savefig(path, dpi=100)
+    return path
+
+
+def mean_curve(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The mean return of ``runs`` at the frames every one of them was evaluated at."""
+    points = [dict(run) for run in runs]
+    common = sorted(set.intersection(*(set(run) for run in points)))
+    return [(frames, sum(run[frames] for run in points) / len(points)) for frames in common]
