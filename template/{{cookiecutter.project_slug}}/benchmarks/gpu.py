@@ -46,7 +46,9 @@ ON_GPU = ("fabric.accelerator=cuda",)
 
 
 def scaling(args: argparse.Namespace, recipe: str, gpus: int) -> dict[int, dict]:
-    """Eager runs of ``recipe`` on 1, 2 and ``gpus`` learners, ``--frames`` per learner."""
+    """Eager runs of ``recipe`` on 1, 2 and ``gpus`` learners, ``--frames`` per learner.
+    With the default ``learners.batch=run`` a replay recipe makes one learner's updates
+    per frame on any number of them: the speed-up is what more GPUs buy at its curve."""
     runs = {}
     for learners in sorted({1, 2, gpus}):
         extra = (*ON_GPU, "fabric.strategy=ddp", f"fabric.devices={learners}")
