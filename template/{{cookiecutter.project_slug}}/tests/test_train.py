@@ -220,8 +220,9 @@ def check_two_learner_summary(summary: dict) -> None:
     assert summary["frames_collected"] == 3072
     assert summary["replay_size"] == summary["frames_collected"]
     assert summary["stale_priority_updates"] == 0  # capacity exceeds the frames: nothing overwritten
-    # Updates start once 1024 frames are in (step 2 of 6): 5 steps of 4 updates.
-    assert summary["updates"] == 20
+    # Updates start once 1024 frames are in (step 2 of 6): 5 steps of 2 x 4 updates each
+    # (learners.batch=run: the run's 4 per 256 frames).
+    assert summary["updates"] == 40
     checksums = list(summary["learner_param_checksums"].values())
     assert len(checksums) == 2 and checksums[0] == checksums[1]
     assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
