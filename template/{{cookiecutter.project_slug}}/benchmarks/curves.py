@@ -20,7 +20,7 @@ from pathlib import Path
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from {{ cookiecutter.package_name }}.plots import compared_curves, mean_curve  # noqa: E402
+from {{ cookiecutter.package_name }}.plots import compared_curves  # noqa: E402
 
 
 def seeds_of(path: Path) -> list[dict]:
@@ -57,10 +57,9 @@ def main() -> None:
                 [(int(frames), value) for frames, value in seed["curve"].items()]
             )
 
-    means = {label: mean_curve(runs) for label, runs in curves.items()}
+    means = compared_curves(args.out, curves, args.title)
     for label, mean in means.items():
         print(f"{label} ({len(curves[label])} seeds): " + " / ".join(f"{value:.1f}" for _, value in mean))
-    compared_curves(args.out, curves, args.title)
     print(f"figure: {args.out}")
     print(json.dumps({"benchmark": "curves", "figure": str(args.out), "means": means}))
 

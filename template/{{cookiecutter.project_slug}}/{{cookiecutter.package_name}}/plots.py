@@ -28,17 +28,21 @@ def learning_curve(
     return path
 
 
-def compared_curves(path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: str) -> Path:
+def compared_curves(
+    path: Path, curves: dict[str, list[list[tuple[int, float]]]], title: str
+) -> dict[str, list[tuple[int, float]]]:
     """Evaluation returns against frames, as a PNG at ``path``: for each label its runs
-    (seeds) as thin lines and their mean as a thick one, one colour per label."""
+    (seeds) as thin lines and their mean as a thick one, one colour per label. Returns
+    each label's mean curve (``mean_curve``)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4), layout="constrained")
     axes = figure.subplots()
+    means = {}
     for colour, (label, runs) in enumerate(curves.items()):
         for run in runs:
             axes.plot(*zip(*run, strict=True), color=f"C{colour}", alpha=0.35, linewidth=1)
-        mean = mean_curve(runs)
+        mean = means[label] = mean_curve(runs)
         axes.plot(
             *zip(*mean, strict=True),
             color=f"C{colour}",
@@ -49,7 +53,7 @@ def compared_curves(path: Path, curves: dict[str, list[list[tuple[int, float]]]]
     axes.grid(alpha=0.3)
     axes.legend(loc="lower right")
     figure.savefig(path, dpi=100)
-    return path
+    return means
 
 
 def mean_curve(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
