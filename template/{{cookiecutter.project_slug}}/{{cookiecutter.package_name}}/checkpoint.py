@@ -336,7 +336,7 @@ def restore_learner(
 
     Everything is read onto the CPU: ``load_state_dict`` copies the weights onto the agent's
     device, and each optimizer moves its state next to each parameter, all but what torch
-    keeps on the CPU on purpose (Adam's ``step`` unless ``capturable``), which a load
+    keeps on the CPU on purpose (Adam's ``step`` unless fused or ``capturable``), which a load
     straight onto the GPU would put there. A learner the checkpoint's run did not have
     (it had fewer) seeds its random generators with ``fresh_seed``.
     """
