@@ -156,6 +156,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
         (["learners.batch=each"], "learners.batch must be run or learner, got 'each'"),
+        (["collector.policy_device=gpu"], "collector.policy_device must be learner, cpu or auto, got 'gpu'"),
         (["loggers=[csv,neptune]"], "unknown logger 'neptune' in loggers (choose from csv, tensorboard"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),
         pytest.param(

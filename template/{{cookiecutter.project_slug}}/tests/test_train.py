@@ -31,9 +31,9 @@ from .conftest import (
 evaluate = load_script("evaluate")
 
 
-def one_process_run(run_dir, recipe: str) -> dict:
+def one_process_run(run_dir, recipe: str, *extra: str) -> dict:
     """A tiny one-process run of ``recipe``, seed 3, with both file loggers; its summary."""
-    overrides = [*tiny_overrides(recipe), "seed=3", "loggers=[csv,tensorboard]", f"run_dir={run_dir}"]
+    overrides = [*tiny_overrides(recipe), "seed=3", "loggers=[csv,tensorboard]", f"run_dir={run_dir}", *extra]
     return read_summary(run_command([sys.executable, "train.py", *overrides]))
 
 
@@ -174,8 +174,18 @@ def test_a_compiled_loss_trains_on_three_learners_and_resumes_on_one(tmp_path, r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_single_process_run_on_a_gpu(tmp_path, tiny):
-    command = [sys.executable, "train.py", "fabric.accelerator=cuda", *tiny, f"run_dir={tmp_path / 'run'}"]
+@pytest.mark.parametrize("policy_device", ["cpu", "learner"])
+def test_single_process_run_on_a_gpu(tmp_path, tiny, policy_device):
+    """On the GPU learner, the collector acting with a CPU copy of the policy or with the
+    learner's own on the GPU."""
+    command = [
+        sys.executable,
+        "train.py",
+        "fabric.accelerator=cuda",
+        f"collector.policy_device={policy_device}",
+        *tiny,
+        f"run_dir={tmp_path / 'run'}",
+    ]
     summary = read_summary(run_command(command))
     assert summary["frames_collected"] == summary["replay_size"] == 3072
 
@@ -235,6 +245,20 @@ def test_sync_collection_is_reproducible(tmp_path, one_process_runs):
     _, first = one_process_runs(RECIPES[0])
     second = one_process_run(tmp_path / "again", RECIPES[0])
     assert first["learner_param_checksums"] == second["learner_param_checksums"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_collector_acting_with_a_cpu_copy_of_the_policy_collects_what_the_policy_would(
+    tmp_path, one_process_runs, recipe
+):
+    """collector.policy_device=cpu (a GPU learner's default): the collector acts with a copy
+    of the policy, weights and buffers (DQN's epsilon) refreshed before each batch. On the
+    CPU that run is the run with the learner's own policy; a copy left stale would collect
+    other frames and train other weights."""
+    _, own = one_process_runs(recipe)
+    copied = one_process_run(tmp_path, recipe, "collector.policy_device=cpu")
+    assert copied["learner_param_checksums"] == own["learner_param_checksums"]
+    assert copied["eval_return"] == own["eval_return"]
 
 
 @pytest.mark.slow

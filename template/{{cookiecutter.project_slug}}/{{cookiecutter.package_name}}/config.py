@@ -25,6 +25,7 @@ from . import envs, recipes
 # Fabric's own loggers and two of Lightning's experiment trackers (extras [wandb], [mlflow]).
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 COLLECT_SYNC, COLLECT_ASYNC = "sync", "async"  # collector.mode
+POLICY_ON_LEARNER, POLICY_ON_CPU, POLICY_AUTO = "learner", "cpu", "auto"  # collector.policy_device
 REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 # fabric.precision: Fabric's autocast around the learners' losses. Not "16-mixed": float16
 # needs a gradient scaler, which the learners' plain backward does not apply.
@@ -66,6 +67,7 @@ class CollectorConfig:
     frames_per_batch: int = MISSING
     mode: str = MISSING
     weight_sync_every: int = MISSING
+    policy_device: str = MISSING
     timeout: float = MISSING
     sync_frac: float = MISSING
     min_rollout_frac: float = MISSING
@@ -250,6 +252,11 @@ def validate(cfg: DictConfig) -> None:
             f"collector.mode=async is for replay recipes; '{cfg.recipe}' trains on what it just "
             "collected, so it collects in sync mode"
         )
+    if cfg.collector.policy_device not in (POLICY_ON_LEARNER, POLICY_ON_CPU, POLICY_AUTO):
+        raise ConfigError(
+            f"collector.policy_device must be {POLICY_ON_LEARNER}, {POLICY_ON_CPU} or {POLICY_AUTO}, "
+            f"got '{cfg.collector.policy_device}'"
+        )
     for key in ("collector.weight_sync_every", "collector.timeout"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
@@ -325,6 +332,19 @@ def check_learners(cfg: DictConfig, device: torch.device, learners: int) -> None
         # PyTorch records DDP's backward in a graph only under conditions (DDP made on a
         # side stream, eleven eager steps first) never tried here: no machine with several GPUs.
         raise ConfigError(f"cudagraphs=true is for one learner; this run has {learners}")
+
+
+def acts_on_cpu(cfg: DictConfig, device: torch.device) -> bool:
+    """Whether a learner on ``device`` gives its sync collector a CPU copy of its policy,
+    refreshed before each batch (``collector.policy_device``). ``auto``: on a GPU, for all
+    but Atari. Where the env copies are few and the network small, a forward pass on the CPU
+    costs less than the GPU's kernel launches and copies at every env step; over Atari
+    frames the convolutions cost less on the GPU (docs/benchmarks.md, "On a GPU")."""
+    if cfg.collector.mode == COLLECT_ASYNC:
+        return False  # an async collector's process acts with a CPU copy of its own
+    if cfg.collector.policy_device == POLICY_AUTO:
+        return device.type != "cpu" and envs.family_of(cfg.env.id) != envs.ATARI
+    return cfg.collector.policy_device == POLICY_ON_CPU
 
 
 def expected_world_size(cfg: DictConfig) -> int | None:

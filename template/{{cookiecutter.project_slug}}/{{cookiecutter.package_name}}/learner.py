@@ -16,6 +16,7 @@ collector, the counters.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -214,24 +215,23 @@ class Learner:
         random_frames = math.ceil(
             max(0, getattr(self.algo, "random_frames", 0) - self.frames) / self.learners
         )
+        # The sync collector may act with a CPU copy of the policy, refreshed before each
+        # batch in ``collect`` (collector.policy_device: by default on a GPU learner).
+        policy, device, self.acting = self.agent.policy, run.device, None
+        if config.acts_on_cpu(cfg, run.device):
+            self.acting = policy = copy.deepcopy(self.agent.policy).cpu()
+            device = torch.device("cpu")
         # Starting an async collector's process imports torch anew: allow it more time. A
         # collector resets its envs as it starts: an env's error there is collecting's too.
         with self.collector_deadline(startup=True), collecting(cfg.env.id):
             try:
                 if self.stragglers is None:
                     self.collector = make_collector(
-                        cfg,
-                        self.agent.policy,
-                        self.env_seed(),
-                        frames,
-                        run.device,
-                        random_frames=random_frames,
+                        cfg, policy, self.env_seed(), frames, device, random_frames=random_frames
                     )
                 else:  # rollouts of any length: the loop counts the frames
                     chunk = self.stragglers.chunk_steps * cfg.env.num_envs
-                    self.collector = make_collector(
-                        cfg, self.agent.policy, self.env_seed(), -1, run.device, chunk
-                    )
+                    self.collector = make_collector(cfg, policy, self.env_seed(), -1, device, chunk)
             except ProcessDied as status:
                 raise CollectorFailed(died(self.label, cfg.env.id, str(status))) from None
         self.batches = iter(self.collector)
@@ -269,6 +269,8 @@ class Learner:
         """This learner's next batch ``[env copies, steps]`` (time last): the collector's
         next, or under the straggler threshold a rollout that may be cut short. A collector
         that gives nothing for ``collector.timeout`` seconds stops the run."""
+        if self.acting is not None:  # the CPU copy the collector acts with takes the latest weights
+            self.acting.load_state_dict(self.agent.policy.state_dict())
         with self.collector_deadline():
             if self.stragglers is None:
                 return next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
