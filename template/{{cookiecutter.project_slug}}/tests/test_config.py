@@ -115,6 +115,8 @@ def test_help_lists_every_key_with_its_value_and_a_description(capsys, recipe):
     for key, text in rows.items():
         value, _, description = text.partition("  ")
         assert description.strip(), f"{key} has no description"
+    # A comment that goes on over the next line (config.yaml's) is read whole.
+    assert rows["collector.sync_frac"].endswith("1: everyone collects in full")
     fields = [field.name for field in dataclasses.fields(recipes.load(recipe).Config)]
     assert [key for key in keys if key.startswith("algo.")] == [f"algo.{name}" for name in fields]
 

@@ -31,13 +31,23 @@ USAGE = "usage: python train.py [--help] [--print-config] [key=value ...]"
 _LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*)(?:#\s?(?P<comment>.*))?$")
 
 
+# An indented line holding only a comment: it goes on with the comment of the key above.
+_MORE = re.compile(r"^ +#\s?(?P<comment>.*)$")
+
+
 def yaml_comments(path: Path) -> dict[str, str]:
-    """Dotted key -> the comment on its line in a YAML file laid out one key per line."""
-    return {
-        dotted: match["comment"].strip()
-        for dotted, match in keyed_lines(path.read_text())
-        if dotted and match["comment"]
-    }
+    """Dotted key -> the comment on its line in a YAML file laid out one key per line, with
+    the indented comment-only lines right below it that go on with it."""
+    text = path.read_text()
+    comments, last = {}, None
+    for line, (dotted, match) in zip(text.splitlines(), keyed_lines(text), strict=True):
+        if dotted and match["comment"]:
+            comments[dotted], last = match["comment"].strip(), dotted
+        elif last and (more := _MORE.match(line)):
+            comments[last] += " " + more["comment"].strip()
+        else:
+            last = None
+    return comments
 
 
 def keyed_lines(text: str) -> list[tuple[str | None, re.Match | None]]:
