@@ -208,13 +208,16 @@ FAMILY_RUN = ["env.num_envs=4", "collector.frames_per_batch=64", "total_frames=3
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("env_id", "extra", "observation"),
+    ("env_id", "extra", "observation", "clip"),
     [
-        ("ALE/Breakout-v5", [ATARI_SHORT, "algo.hidden_sizes=[32]"], "uint8 (4, 84, 84)"),
-        ("MinAtar/Breakout-v1", [], "uint8 (4, 10, 10)"),
+        # CleanRL's ppo_atari.py clips at 0.1, gymnax-blines' MinAtar PPO at 0.2.
+        ("ALE/Breakout-v5", [ATARI_SHORT, "algo.hidden_sizes=[32]"], "uint8 (4, 84, 84)", 0.1),
+        ("MinAtar/Breakout-v1", [], "uint8 (4, 10, 10)", 0.2),
     ],
 )
-def test_ppo_on_pixels_trains_three_identical_learners_on_uint8_frames(tmp_path, env_id, extra, observation):
+def test_ppo_on_pixels_trains_three_identical_learners_on_uint8_frames(
+    tmp_path, env_id, extra, observation, clip
+):
     pytest.importorskip("ale_py" if env_id.startswith("ALE") else "minatar", reason="needs its extra")
     result = learners_run(3, "recipe=ppo", f"env.id={env_id}", *FAMILY_RUN, *extra, f"run_dir={tmp_path}")
     summary = read_summary(result)
@@ -226,7 +229,7 @@ def test_ppo_on_pixels_trains_three_identical_learners_on_uint8_frames(tmp_path,
     assert all(summary["updates"] == learner["rollouts"] for learner in rollouts)
     assert len(set(summary["learner_param_checksums"].values())) == 1
     cfg = OmegaConf.load(tmp_path / "config.yaml")
-    assert cfg.algo.clip_epsilon == 0.1 and cfg.algo.critic_loss == "l2"  # CleanRL's ppo_atari.py
+    assert cfg.algo.clip_epsilon == clip and cfg.algo.critic_loss == "l2"  # the family's settings
     env = make_env(cfg.env, 2, seed=0)
     spec = env.observation_spec["observation"]
     assert f"{str(spec.dtype).removeprefix('torch.')} {tuple(spec.shape[1:])}" == observation
