@@ -339,7 +339,8 @@ def acts_on_cpu(cfg: DictConfig, device: torch.device) -> bool:
     refreshed before each batch (``collector.policy_device``). ``auto``: on a GPU, for all
     but Atari. Where the env copies are few and the network small, a forward pass on the CPU
     costs less than the GPU's kernel launches and copies at every env step; over Atari
-    frames the convolutions cost less on the GPU (docs/benchmarks.md, "On a GPU")."""
+    frames the convolutions cost less on the GPU (docs/benchmarks.md, "Where the collector's
+    policy acts")."""
     if cfg.collector.mode == COLLECT_ASYNC:
         return False  # an async collector's process acts with a CPU copy of its own
     if cfg.collector.policy_device == POLICY_AUTO:
