@@ -58,7 +58,6 @@ def main(argv: list[str]) -> int:
         return 0
 
     logs.setup(logs.launcher_rank())
-    topology.slurm_main_port()
     topology.bind_to_loopback_unless_named(cfg.rpc.address)
     topology.join_restarted_attempt(cfg.learners.timeout)
     # On any machine with SLURM installed, Lightning warns that a run not started by srun
@@ -122,15 +121,21 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType, resumed: checkpoint
     # zero they cost nothing. Set before torch starts its threads, which inherit it.
     torch.set_flush_denormal(True)
     torch.set_num_threads(cfg.threads or topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1)))
-    address, port = topology.endpoint(cfg.rpc.address, cfg.rpc.port)
+    served = topology.endpoints(cfg.rpc.address, cfg.rpc.port, plan, fabric.broadcast)
     # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
     launcher = "the launcher" if "TORCHELASTIC_RUN_ID" in os.environ else None
     on_failure = functools.partial(restarts.failed, cfg.run_dir, plan.rank)
     watchdog = Watchdog(
-        plan, address, port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, launcher, on_failure
+        plan,
+        served.address,
+        served.watchdog_port,
+        cfg.rpc.heartbeat_timeout,
+        cfg.rpc.timeout,
+        launcher,
+        on_failure,
     )
     with watchdog.watching():
-        summary = play_role(fabric, cfg, recipe, resumed, plan, address, port, watchdog)
+        summary = play_role(fabric, cfg, recipe, resumed, plan, served, watchdog)
     # Only now, with no heartbeats watched: a replay process stops beating once it has left
     # the RPC world, and may take a few seconds more to exit.
     replay_processes.join(list(watchdog.children.values()), cfg.rpc.heartbeat_timeout)
@@ -153,8 +158,7 @@ def play_role(
     recipe: ModuleType,
     resumed: checkpoint.Checkpoint | None,
     plan: topology.Topology,
-    address: str,
-    port: int,
+    served: topology.Endpoints,
     watchdog: Watchdog,
 ) -> Path | None:
     """Host, connect, train, and write the records; rank 0 returns the summary."""
@@ -164,8 +168,10 @@ def play_role(
         topology.host("recorder", Recorder(cfg, plan, resumed=resumed))
         if uses_replay and plan.world_size == 1:
             topology.host("replay", replay_processes.make_shard(cfg, plan, resumed))
-        replay_processes.start(cfg, plan, address, port, watchdog)
-    learner_group = topology.connect(plan, address, port, cfg.rpc.timeout, cfg.learners.timeout)
+        replay_processes.start(cfg, plan, served, watchdog)
+    learner_group = topology.connect(
+        plan, served.address, served.rpc_port, cfg.rpc.timeout, cfg.learners.timeout
+    )
     if resumed and plan.rank == 0:
         log.info("%s", resumed_line(plan, resumed, uses_replay))
 

@@ -69,7 +69,6 @@ def command(args: argparse.Namespace, seed: int, run_dir: Path) -> list[str]:
         "resume=auto",
         "fabric.accelerator=cpu",
         "fabric.strategy=ddp",
-        f"rpc.port={free_port()}",
         f"run_dir={run_dir}",
         *args.overrides,
     ]

@@ -86,12 +86,11 @@ _PORTS = random.Random(os.getpid())
 
 
 def free_port() -> int:
-    """A port P such that P, P + 1 and P + 2 are free and were not handed out before: a run
-    given `rpc.port=P` also listens on P + 1 (the watchdog), and `--main-port P` puts RPC
-    and the watchdog on P + 1 and P + 2."""
+    """A port P such that P and P + 1 are free and were not handed out before: a run given
+    `rpc.port=P` also listens on P + 1 (the watchdog)."""
     while True:
-        port = _PORTS.randrange(_EPHEMERAL_LOW // 2, _EPHEMERAL_LOW - 3)
-        block = {port, port + 1, port + 2}
+        port = _PORTS.randrange(_EPHEMERAL_LOW // 2, _EPHEMERAL_LOW - 2)
+        block = {port, port + 1}
         if block & _HANDED_OUT or not all(_bindable(p) for p in block):
             continue
         _HANDED_OUT.update(block)
@@ -113,9 +112,11 @@ def command_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
 
 
-def run_command(command: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run_command(
+    command: list[str], timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command, cwd=PROJECT, env=command_env(), capture_output=True, text=True, timeout=timeout
+        command, cwd=PROJECT, env=env or command_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -164,7 +165,14 @@ def learners_run(learners: int, *overrides: str, timeout: float = 300) -> subpro
     fabric.devices=N`): a process fewer than `fabric run`, whose launcher imports torch and
     Lightning as a rank does. The fault, checkpoint and straggler tests run `fabric run`."""
     command = [sys.executable, "train.py", f"fabric.devices={learners}", "fabric.accelerator=cpu"]
-    return run_command([*command, "fabric.strategy=ddp", f"rpc.port={free_port()}", *overrides], timeout)
+    return run_command([*command, "fabric.strategy=ddp", *overrides], timeout, fabric_launcher_env())
+
+
+def fabric_launcher_env() -> dict[str, str]:
+    """The environment for a run Fabric launches itself, with a free main port: Fabric's own
+    choice is one the kernel picked and let go, which another test's connection may take
+    before rank 0 binds it."""
+    return {**command_env(), "MASTER_PORT": str(free_port())}
 
 
 def load_script(name: str):

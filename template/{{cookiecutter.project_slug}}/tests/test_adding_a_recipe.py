@@ -55,11 +55,11 @@ def test_the_guide_adds_a_recipe_that_trains_on_two_learners(tmp_path):
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "recipe: double_dqn" in shown.stdout and "updates_per_batch: 128" in shown.stdout
 
-    # The guide's `fabric run`, on free ports and into a scratch run_dir.
+    # The guide's `fabric run`, on a free main port and into a scratch run_dir.
     words = shlex.split(fabric_run)
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     words[:2] = [fabric, "run", "--main-port", str(free_port())]
-    words += [f"rpc.port={free_port()}", f"run_dir={tmp_path / 'run'}"]
+    words += [f"run_dir={tmp_path / 'run'}"]
     trained = run(words, project)
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -26,7 +26,6 @@ from .conftest import (
     REPLAY_RECIPE,
     expected_updates,
     fabric_command,
-    free_port,
     launch,
     load_script,
     needs_replay,
@@ -280,7 +279,7 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # 4608 frames: whole steps of 256 frames for 2 learners.
     overrides = [*tiny_overrides(recipe), "total_frames=4608", "checkpoint.every=1024", f"run_dir={run_dir}"]
-    killed = launch(fabric_command(2, "train.py", f"rpc.port={free_port()}", *overrides))
+    killed = launch(fabric_command(2, "train.py", *overrides))
     deadline = time.monotonic() + 180
     while not list((run_dir / "checkpoints").glob("frames-*/meta.json")):
         assert killed.poll() is None, killed.communicate()[1][-3000:]
@@ -294,9 +293,7 @@ def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
     saved_at = checkpoint.Meta.read(last).frames
     assert saved_at < 4608
 
-    resumed = run_command(
-        fabric_command(2, "train.py", f"rpc.port={free_port()}", *overrides, f"resume={run_dir}")
-    )
+    resumed = run_command(fabric_command(2, "train.py", *overrides, f"resume={run_dir}"))
     summary = read_summary(resumed)
     assert summary["resumed_from"] == str(last)
     uses_replay = recipes.load(recipe).Agent.uses_replay

@@ -25,6 +25,7 @@ from .conftest import (
     REPLAY_RECIPE,
     environment_of,
     fabric_command,
+    fabric_launcher_env,
     free_port,
     launch,
     processes_of,
@@ -66,10 +67,10 @@ def listening(pid: int) -> set[tuple[str, int]]:
     return found
 
 
-def start(command: list[str], run_dir: Path) -> subprocess.Popen:
+def start(command: list[str], run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a run and wait until it trains: rank 0 logs a metrics row once every learner
     has collected and reported."""
-    process = launch(command)
+    process = launch(command, env)
     metrics, deadline = run_dir / "metrics.csv", time.monotonic() + 180
     while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -121,7 +122,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     # The learners collect in async mode: a killed learner must take its collector along.
     mode = "async" if REPLAY_RECIPE is not None else "sync"
     overrides = [*LONG_RUN, f"collector.mode={mode}", f"run_dir={run_dir}"]
-    process = start(fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides), run_dir)
+    process = start(fabric_command(DEVICES, "train.py", *overrides), run_dir)
     ranks = {rank: pid for pid, rank in processes_of(run_dir).items() if rank is not None}
     assert sorted(ranks) == [0, 1, 2]
     collectors = [pid for rank in ranks.values() for pid in collector_processes(rank)]
@@ -149,7 +150,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
 def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     run_dir = tmp_path / "run"
     overrides = [*LONG_RUN, "collector.mode=async", "collector.timeout=10", f"run_dir={run_dir}"]
-    command = fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides)
+    command = fabric_command(DEVICES, "train.py", *overrides)
     if fault == "dies starting":  # as soon as it is there, seconds before it has imported torch
         process, deadline = launch(command), time.monotonic() + 180
         while not (learners := [pid for pid, rank in processes_of(run_dir).items() if rank == 1]) or not (
@@ -238,11 +239,11 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, mode):
         "train.py",
         f"fabric.devices={DEVICES}",
         "fabric.accelerator=cpu",
-        f"rpc.port={free_port()}",
         f"collector.mode={mode}",
     ]
     # Checkpoints on, but none due before the signal: the stop writes one.
-    process = start([*command, *LONG_RUN, "checkpoint.every=5000000", f"run_dir={run_dir}"], run_dir)
+    run = [*command, *LONG_RUN, "checkpoint.every=5000000", f"run_dir={run_dir}"]
+    process = start(run, run_dir, fabric_launcher_env())
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's group
 
     code, stderr, seconds = finish(process, timeout=90)
@@ -264,7 +265,7 @@ def test_a_non_finite_loss_stops_the_run_and_says_where(tmp_path):
     run_dir = tmp_path / "run"
     # A discount that is not a number: no recipe's loss can be finite with it.
     overrides = [*tiny_overrides(RECIPE), "algo.gamma=nan", "rpc.heartbeat_timeout=5", f"run_dir={run_dir}"]
-    process = launch(fabric_command(DEVICES, "train.py", f"rpc.port={free_port()}", *overrides))
+    process = launch(fabric_command(DEVICES, "train.py", *overrides))
     code, stderr, _ = finish(process, timeout=120)
     assert code != 0
     reports = [line for line in stderr.splitlines() if "stopping:" in line]

@@ -18,7 +18,6 @@ from .conftest import (
     ATARI_SHORT,
     collect_one_batch,
     fabric_command,
-    free_port,
     learners_run,
     load_script,
     one_learner,
@@ -247,9 +246,7 @@ def test_ppo_on_mujoco_keeps_one_normalisation_on_every_learner_through_resume_a
     run_dir = tmp_path / "run"
     overrides = ["recipe=ppo", "env.id=Hopper-v5", *FAMILY_RUN, "checkpoint.every=192", f"run_dir={run_dir}"]
     overrides = [item for item in overrides if not item.startswith("env.num_envs")]  # MuJoCo's: 1 per learner
-    command = fabric_command(
-        3, "train.py", f"rpc.port={free_port()}", *overrides, "collector.frames_per_batch=16"
-    )
+    command = fabric_command(3, "train.py", *overrides, "collector.frames_per_batch=16")
     summary = read_summary(run_command(command))
     frames = summary["frames_collected"]  # 384 or more: the straggler threshold may cut rollouts
     assert frames >= 384 and checkpoint.Meta.read(checkpoint.latest(run_dir)).frames == frames

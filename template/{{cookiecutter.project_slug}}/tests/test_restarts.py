@@ -48,7 +48,7 @@ def torchrun(run_dir: Path, nodes: str = "1", per_node: int = 2, endpoint: str |
         f"checkpoint.every={EVERY}",
         "resume=auto",
     ]
-    overrides += ["rpc.heartbeat_timeout=5", f"rpc.port={free_port()}", "fabric.strategy=ddp"]
+    overrides += ["rpc.heartbeat_timeout=5", "fabric.strategy=ddp"]
     overrides += ["fabric.accelerator=cpu", f"run_dir={run_dir}"]
     return [launcher, *elastic, "train.py", *overrides]
 

@@ -17,7 +17,6 @@ from .conftest import (
     PROJECT,
     RECIPES,
     fabric_command,
-    free_port,
     processes_of,
     read_summary,
     run_command,
@@ -43,9 +42,7 @@ def straggler(monkeypatch):
 
 
 def straggler_run(*overrides: str) -> list[str]:
-    return fabric_command(
-        3, "train.py", f"rpc.port={free_port()}", *tiny_overrides(ON_POLICY[0]), STRAGGLER_ENV, *overrides
-    )
+    return fabric_command(3, "train.py", *tiny_overrides(ON_POLICY[0]), STRAGGLER_ENV, *overrides)
 
 
 def last_step(run_dir) -> int:

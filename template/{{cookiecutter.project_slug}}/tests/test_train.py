@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import socket
 import subprocess
 import sys
 
@@ -272,14 +273,17 @@ def test_bad_input_under_fabric_run_is_reported_and_fails():
 def test_two_nodes_on_localhost(tmp_path, tiny):
     """The multi-node command shape: one launcher per node, node ranks 0 and 1, one main
     address and port (here both nodes are this machine). A learner per node; the replay
-    process is on the first node, and the second node's learner reaches it over RPC."""
-    main_port, rpc_port = free_port(), free_port()
+    process is on the first node, and the second node's learner reaches it over RPC. With
+    no `rpc.port`, RPC and the watchdog serve on ports rank 0 picks and tells the other
+    node's learner; the port after the main port, taken here, is not theirs."""
+    main_port = free_port()
+    taken = socket.create_server(("127.0.0.1", main_port + 1))
     launchers = [
         subprocess.Popen(
             fabric_command(
                 1,
                 *("--num-nodes", "2", "--node-rank", str(node), "--main-address", "127.0.0.1"),
-                *("train.py", f"rpc.port={rpc_port}", *tiny, f"run_dir={tmp_path / 'run'}"),
+                *("train.py", *tiny, f"run_dir={tmp_path / 'run'}"),
                 main_port=main_port,
             ),
             cwd=PROJECT,
@@ -295,6 +299,7 @@ def test_two_nodes_on_localhost(tmp_path, tiny):
     finally:
         for launcher in launchers:
             launcher.kill()  # a no-op once it has exited
+        taken.close()
     assert [launcher.returncode for launcher in launchers] == [0, 0], outputs[1][1][-3000:]
     summary = read_summary(subprocess.CompletedProcess([], 0, *outputs[0]))
     check_two_learner_summary(summary)

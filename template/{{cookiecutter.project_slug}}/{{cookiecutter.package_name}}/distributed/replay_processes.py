@@ -58,14 +58,15 @@ def make_shard(
     return shard
 
 
-def start(cfg: DictConfig, plan: topology.Topology, address: str, port: int, watchdog: Watchdog) -> None:
+def start(cfg: DictConfig, plan: topology.Topology, served: topology.Endpoints, watchdog: Watchdog) -> None:
     """Rank 0 starts the run's replay processes, which its watchdog watches (``children``);
     they share its standard output and error."""
     pythonpath = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")]))
     for rank in plan.replay_ranks:
         command = [sys.executable, "-m", __name__, str(Path(cfg.run_dir) / "config.yaml")]
         command += ["--rank", str(rank), "--learners", str(len(plan.learner_ranks))]
-        command += ["--address", address, "--port", str(port)]
+        command += ["--address", served.address, "--rpc-port", str(served.rpc_port)]
+        command += ["--watchdog-port", str(served.watchdog_port)]
         env = {**os.environ, "RANK": str(rank), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
         watchdog.adopt(rank, subprocess.Popen(command, env=env))
 
@@ -88,7 +89,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--learners", type=int, required=True)
     parser.add_argument("--address", required=True)
-    parser.add_argument("--port", type=int, required=True, help="the RPC port; the watchdog's is the next")
+    parser.add_argument("--rpc-port", type=int, required=True, help="where rank 0 serves RPC's rendezvous")
+    parser.add_argument(
+        "--watchdog-port", type=int, required=True, help="where rank 0 serves the watchdog's store"
+    )
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(args.config)
     plan = topology.Topology.plan(args.learners, args.rank, cfg.replay.ranks, uses_replay=True)
@@ -98,11 +102,11 @@ def main(argv: list[str]) -> int:
     parent = f"rank 0 ({topology.LEARNER})"
     on_failure = functools.partial(restarts.failed, cfg.run_dir, plan.rank)
     watchdog = Watchdog(
-        plan, args.address, args.port + 1, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent, on_failure
+        plan, args.address, args.watchdog_port, cfg.rpc.heartbeat_timeout, cfg.rpc.timeout, parent, on_failure
     )
     with watchdog.watching():
         topology.host("replay", make_shard(cfg, plan, checkpoint.check_resume(cfg)))
-        topology.connect(plan, args.address, args.port, cfg.rpc.timeout, cfg.learners.timeout)
+        topology.connect(plan, args.address, args.rpc_port, cfg.rpc.timeout, cfg.learners.timeout)
         topology.disconnect(plan)
     return 0
 

@@ -14,9 +14,10 @@ import ipaddress
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, urlparse
 
 import torch
@@ -71,7 +72,7 @@ def bind_to_loopback_unless_named(address: str | None) -> None:
 
     RPC runs pickled calls: whoever reaches its port can run code on this machine.
     """
-    address, _ = endpoint(address, None)
+    address = main_address(address)
     try:
         loopback = ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
     except (OSError, ValueError):
@@ -92,15 +93,6 @@ def cpus_per_rank(ranks_here: int) -> int:
         ranks_per_task = ranks_here if TorchElasticEnvironment.detect() else 1
         return max(1, int(os.environ["SLURM_CPUS_PER_TASK"]) // ranks_per_task)
     return max(1, len(os.sched_getaffinity(0)) // ranks_here)
-
-
-def slurm_main_port() -> None:
-    """Under SLURM, give the job a main port of its own unless one is set. Fabric's own
-    choice (15000 + the job id's last four digits) puts job N's main port on job N-1's RPC
-    port; each job here takes a block of three (c10d, RPC, watchdog), so jobs sharing a
-    node collide only when their ids are 15,000 apart."""
-    if "SLURM_JOB_ID" in os.environ and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(15000 + int(os.environ["SLURM_JOB_ID"]) % 15000 * 3)
 
 
 def join_restarted_attempt(timeout_s: float) -> None:
@@ -131,11 +123,58 @@ def join_restarted_attempt(timeout_s: float) -> None:
     )
 
 
-def endpoint(address: str | None, port: int | None) -> tuple[str, int]:
-    """Where rank 0 serves RPC: the named address and port, or the launcher's main address
-    and the port after its c10d port. The watchdog's store takes the port after that."""
-    address = address or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    return address, port or int(os.environ.get("MASTER_PORT", "29500")) + 1
+def main_address(address: str | None) -> str:
+    """The address rank 0 serves on: the one named, or the launcher's main address."""
+    return address or os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+
+class Endpoints(NamedTuple):
+    """Where rank 0 serves RPC's rendezvous and the watchdog's store."""
+
+    address: str
+    rpc_port: int
+    watchdog_port: int
+
+
+def endpoints(
+    address: str | None, port: int | None, plan: Topology, broadcast: Callable[[Any, int], Any]
+) -> Endpoints:
+    """The named address, or the launcher's main address; a named ``port`` and the one
+    after it, or two ports the kernel picks as free on rank 0, which keeps them bound for
+    the stores and hands them to the other learners with ``broadcast`` (Fabric's).
+
+    Not ports counted from the launcher's main port: under torchrun that is its agent's
+    store, on a port the kernel picked from the range it also gives outgoing connections,
+    so the ports after it may be held by any connection on the node, or by a dead attempt's
+    in TIME_WAIT when torchrun starts the learners again ("Address already in use").
+    """
+    address = main_address(address)
+    if port:
+        return Endpoints(address, port, port + 1)
+    if plan.world_size == 1:
+        return Endpoints(address, 0, 0)  # one process serves no store
+    reserved = (_reserve(address), _reserve(address)) if plan.rank == 0 else None
+    return Endpoints(address, *broadcast(reserved, 0))
+
+
+# Rank 0's listening sockets on ports the kernel picked, until ``store`` takes them.
+_RESERVED: dict[int, socket.socket] = {}
+
+
+def _listening(address: str, port: int) -> socket.socket:
+    family, kind, _, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(where)
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
+def _reserve(address: str) -> int:
+    sock = _listening(address, 0)
+    port = sock.getsockname()[1]
+    _RESERVED[port] = sock
+    return port
 
 
 def store(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
@@ -147,11 +186,7 @@ def store(address: str, port: int, rank: int, world_size: int, timeout_s: float)
     """
     listen_fd = None
     if rank == 0:
-        family, kind, _, _, where = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(where)
-        sock.listen(socket.SOMAXCONN)
+        sock = _RESERVED.pop(port, None) or _listening(address, port)
         listen_fd = sock.detach()  # the store owns and closes it
     return dist.TCPStore(
         address,
