@@ -15,6 +15,7 @@ from cookiecutter.main import cookiecutter
 from .conftest import REPO
 
 UNRENDERED = ("{{ cookiecutter", "{{cookiecutter", "{%")
+CPP_FRAME = re.compile(r"^[E >]*\s*frame #\d+: ")  # a line of a C++ stack in torch's warnings
 
 
 def project_files(project: Path) -> list[Path]:
@@ -146,7 +147,13 @@ def run_tests(project: Path, *arguments: str, python: Path | str = sys.executabl
         # takes longer.
         timeout=3600,
     )
-    assert tests.returncode == 0, tests.stdout[-5000:] + tests.stderr[-3000:]
+    if tests.returncode != 0:
+        # The failed tests' one-line reasons first: a tail alone shows the last failure's end,
+        # often torch's C++ warnings, each with its stack of frames, which say nothing here.
+        lines = tests.stdout.splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+        tail = "\n".join(line for line in lines if not CPP_FRAME.match(line))[-5000:]
+        pytest.fail("\n".join([*failed, tail, tests.stderr[-3000:]]), pytrace=False)
     return tests.stdout
 
 
