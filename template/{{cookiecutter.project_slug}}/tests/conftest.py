@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -210,9 +211,12 @@ def environment_of(pid: int) -> dict[str, str]:
 
 def failure_report(result: subprocess.CompletedProcess) -> str:
     """What a failed run said: the ranks' one-line reasons first (the launcher's traceback
-    that follows them would push them out of a plain tail), then the output's tails."""
-    reasons = [line for line in result.stderr.splitlines() if "stopping:" in line or "error:" in line]
-    return "\n".join([*reasons, result.stdout[-2000:], result.stderr[-2000:]])
+    that follows them would push them out of a plain tail), then the output's tails, less
+    the C++ stack frames torch prints with its store warnings once a rank has gone."""
+    lines = result.stderr.splitlines()
+    reasons = [line for line in lines if "stopping:" in line or "error:" in line]
+    stderr = "\n".join(line for line in lines if not re.match(r"\s*frame #\d+: ", line))
+    return "\n".join([*reasons, result.stdout[-2000:], stderr[-2000:]])
 
 
 def read_summary(result: subprocess.CompletedProcess) -> dict:
