@@ -187,6 +187,7 @@ def play_role(
             cfg.replay.batches_per_request,
             first_shard=plan.learner_index,
             share_frames=plan.world_size > 1,  # the shards are in replay processes
+            prioritized=cfg.replay.alpha > 0,
         )
         stats = learner.off_policy(run, replay)
     else:

@@ -152,6 +152,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
             marks=needs_replay,
         ),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),
+        (["replay.alpha=-0.5"], "replay.alpha must be >= 0 (0: uniform), got -0.5"),
         (["replay.storage=disk"], "replay.storage must be memory or memmap, got 'disk'"),
         (["fabric.precision=16-mixed"], "fabric.precision must be 32-true or bf16-mixed, got '16-mixed'"),
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),

@@ -72,10 +72,12 @@ def assert_same_priorities(after: dict[int, float], before: dict[int, float]) ->
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-12)
 
 
-def restored(folders: list[Path], parts: int, capacity: int, **options) -> list[ReplayShard]:
+def restored(
+    folders: list[Path], parts: int, capacity: int, alpha: float = ALPHA, **options
+) -> list[ReplayShard]:
     """The shards a run with ``parts`` replay shards makes of ``folders``."""
     size = math.ceil(capacity / parts)
-    shards = [ReplayShard(size, ALPHA, BETA, shard=i, **options) for i in range(parts)]
+    shards = [ReplayShard(size, alpha, BETA, shard=i, **options) for i in range(parts)]
     for part, shard in enumerate(shards):
         shard.restore(folders, part, parts)
     return shards
@@ -129,6 +131,32 @@ def test_transitions_are_dealt_to_another_shard_count_with_their_priorities(tmp_
     lowest = min(mass.values())
     expected = torch.tensor([(mass[step] / lowest) ** -BETA for step in batch[STEP_ID].tolist()])
     torch.testing.assert_close(batch["priority_weight"], expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("saved_alpha", "alpha"), [(ALPHA, 0.3), (ALPHA, 0.0), (0.0, ALPHA)])
+def test_shards_go_on_with_another_alpha(tmp_path, saved_alpha, alpha):
+    """The same shard count with another ``replay.alpha``: every transition is kept once,
+    drawn by the new rule, with the priority it had (a uniform shard's come back as 1)."""
+    shards = [ReplayShard(100, saved_alpha, BETA, shard=i) for i in range(2)]
+    refs = [topology.LocalRef(shard) for shard in shards]
+    client = ReplayClient(refs, batch_size=16, beta=BETA, prioritized=saved_alpha > 0)
+    for batch in cartpole_transitions(160).split(40):
+        client.extend(batch)
+    client.flush()
+    sample = client.sample()
+    client.update_priority(sample, 1 + torch.rand(len(sample)) * 5)
+    client.flush()
+    before = contents(shards) if saved_alpha > 0 else dict.fromkeys(range(160), 1.0)
+
+    again = restored(saved_shards(tmp_path, shards), 2, 200, alpha=alpha)
+    steps = sorted(step for shard in again for step in shard.buffer[:][STEP_ID].tolist())
+    assert steps == list(range(160))
+    refs = [topology.LocalRef(shard) for shard in again]
+    batch = ReplayClient(refs, batch_size=64, beta=BETA, prioritized=alpha > 0).sample()
+    assert ("priority_weight" in batch.keys()) == (alpha > 0)
+    if alpha > 0:
+        assert {shard.buffer.sampler.alpha for shard in again} == {alpha}
+        assert_same_priorities(contents(again), before)
 
 
 def stacks(shard: ReplayShard) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ across shards is distributed like sampling one buffer with the same contents."""
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -190,6 +191,32 @@ def test_sampling_across_shards_matches_one_buffer_with_the_same_contents():
     # Importance weights are normalised over all shards, as one buffer normalises them.
     for row in draws[:2000]:
         assert float(row[WEIGHT]) == pytest.approx(reference_weight[int(row["observation"])], rel=1e-4)
+
+
+def test_uniform_shards_draw_every_transition_alike_and_get_no_priorities():
+    """With alpha 0 a shard draws with torchrl's RandomSampler: batches carry no importance
+    weights, a shard's mass is its size (so a batch across shards of different sizes draws
+    every transition alike), and the client sends no priorities back."""
+    torch.manual_seed(0)
+    shards = [ReplayShard(1000, 0.0, BETA, shard=shard) for shard in range(2)]
+    shards[0].extend(transitions(0, 10))
+    shards[1].extend(transitions(10, 30))
+    batch, total, lowest = shards[1].sample(16)
+    assert {"index", GENERATION, SHARD} <= set(batch.keys()) and WEIGHT not in batch.keys()
+    assert (total, lowest) == (30.0, 1.0)
+
+    client = client_of(shards, batch_size=256, batches_per_request=8, prioritized=False)
+    draws = [client.sample() for _ in range(160)]  # 40,960 draws
+    with warnings.catch_warnings():
+        # A priority reaching a uniform shard would make torchrl warn.
+        warnings.simplefilter("error")
+        client.update_priority(draws[0], torch.rand(256))
+        client.flush()
+    counts = torch.bincount(torch.cat(draws)["observation"].long(), minlength=40).double()
+    expected = counts.sum() / 40
+    chi_square = float(((counts - expected) ** 2 / expected).sum())
+    dof = 39
+    assert chi_square < dof + 6 * (2 * dof) ** 0.5, chi_square  # 6 sigma, as above
 
 
 def surface_a_remote_error(rank: int, ports: tuple[int, int], result: dict) -> None:

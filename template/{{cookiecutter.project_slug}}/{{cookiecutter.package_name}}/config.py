@@ -274,6 +274,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("rpc.timeout", "rpc.heartbeat_timeout", "learners.timeout"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.replay.alpha < 0:
+        raise ConfigError(f"replay.alpha must be >= 0 (0: uniform), got {cfg.replay.alpha}")
     if cfg.replay.batches_per_request < 1:
         raise ConfigError(f"replay.batches_per_request must be >= 1, got {cfg.replay.batches_per_request}")
     if cfg.replay.storage not in REPLAY_STORAGES:

@@ -63,6 +63,9 @@ class ReplayClient:
     shared memory: the frames of one request are one slot. A request ``n`` uses slot
     ``n % (requests_ahead + 2)``, so a batch's frames stay as they are until the learner
     has taken another ``batches_per_request`` batches: copy them to keep a batch longer.
+
+    Without ``prioritized`` (shards of ``alpha`` 0, which draw uniformly) no priorities go
+    back, and batches come without importance weights.
     """
 
     def __init__(
@@ -75,8 +78,10 @@ class ReplayClient:
         max_in_flight: int = 8,
         requests_ahead: int = 1,
         share_frames: bool = False,
+        prioritized: bool = True,
     ) -> None:
         self.shards = list(shards)
+        self.prioritized = prioritized
         self.batch_size = batch_size
         self.beta = beta
         self.batches_per_request = batches_per_request
@@ -167,6 +172,8 @@ class ReplayClient:
     @timed("priority_update")
     def update_priority(self, batch: TensorDictBase, priorities: torch.Tensor) -> None:
         """Send the new ``priorities`` of the transitions of a sampled ``batch``."""
+        if not self.prioritized:
+            return
         update = batch.select("index", GENERATION, SHARD).cpu()
         update[PRIORITY] = priorities.reshape(update.shape)
         self._priorities.append(update)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 
 from .frames import FRAMES, FrameStore
 from .sampler_trees import stored_priorities
@@ -25,18 +25,28 @@ class SavedShard:
         self.counts = torch.load(folder / "shard.pt", weights_only=True)
         generation = self.counts["generation"]
         capacity = len(generation)
-        buffer = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=LazyTensorStorage(capacity))
+        uniform = self.counts.get("alpha") == 0  # None: see alpha_of
+        if uniform:
+            buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity))
+        else:  # the saved sampler's alpha replaces this one as it loads
+            buffer = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=LazyTensorStorage(capacity))
         buffer.loads(folder)
         # Oldest first: a slot written in an earlier round of the circular writer, and
         # within a round, a lower slot. The shard's own write counts say which round.
         written = torch.nonzero(generation).squeeze(-1)
         slots = written[torch.argsort(generation[written] * capacity + written)]
         self.rows = buffer[slots].exclude("index")
-        self.priorities = stored_priorities(buffer, slots)
+        self.priorities = torch.ones(len(slots)) if uniform else stored_priorities(buffer, slots)
         # As many frames as transitions, as ReplayShard makes its FrameStore.
         self.frames = FrameStore.saved(
             folder, capacity, self.counts["frames_written"], tuple(self.counts["frame_shape"])
         )
+
+    @staticmethod
+    def alpha_of(folder: Path) -> float | None:
+        """The ``alpha`` of the shard saved in ``folder``; None for a checkpoint written
+        before shards recorded it (a prioritized buffer, whatever its alpha)."""
+        return torch.load(folder / "shard.pt", weights_only=True).get("alpha")
 
     def framed(self) -> torch.Tensor:
         """Per row: whether it is made of frames that are still here."""

@@ -1,22 +1,29 @@
-"""One shard of the prioritized replay buffer, served over RPC from a replay process.
+"""One shard of the replay buffer, served over RPC from a replay process.
 
 Each shard is one ``TensorDictPrioritizedReplayBuffer`` that owns its writer cursor and sum
-tree, so learners write through it over RPC and no cursor is shared between processes (the
-failure of worker-local buffers on shared storage, where each cursor overwrites the
-others). Stacked pixel observations are stored frame by frame (frames.py); a checkpoint's
+tree (a ``TensorDictReplayBuffer`` drawing uniformly, with ``alpha`` 0), so learners write
+through it over RPC and no cursor is shared between processes (the failure of
+worker-local buffers on shared storage, where each cursor overwrites the others). Stacked pixel observations are stored frame by frame (frames.py); a checkpoint's
 shards resume on another number of shards (resharding.py).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from tensordict import TensorDictBase
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+from torchrl.data import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    RandomSampler,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 from torchrl.data.replay_buffers import Storage
 
 from .frames import FRAMES, LOST, PIXELS, POSITION, FrameStore
@@ -45,7 +52,8 @@ def make_storage(kind: str, capacity: int, directory: str | Path | None) -> Stor
 
 
 class ReplayShard:
-    """One prioritized buffer served to learners; RPC calls arrive on several threads."""
+    """One buffer served to learners, prioritized unless ``alpha`` is 0; RPC calls arrive
+    on several threads."""
 
     def __init__(
         self,
@@ -57,13 +65,19 @@ class ReplayShard:
         directory: str | Path | None = None,
     ) -> None:
         folder = Path(directory) if directory is not None else None
-        self.buffer = TensorDictPrioritizedReplayBuffer(
-            alpha=alpha,
-            beta=beta,
-            eps=EPS,
-            storage=make_storage(storage, capacity, folder and folder / "transitions"),
-            priority_key=PRIORITY,
-        )
+        transitions = make_storage(storage, capacity, folder and folder / "transitions")
+        self.alpha = alpha
+        self.prioritized = alpha > 0
+        if self.prioritized:
+            self.buffer = TensorDictPrioritizedReplayBuffer(
+                alpha=alpha, beta=beta, eps=EPS, storage=transitions, priority_key=PRIORITY
+            )
+        else:
+            # Priorities to the power 0 are all 1: the sum tree would draw uniformly, at a
+            # price (TD3 on Hopper: 0.68 ms an update for sampling and priority updates, in
+            # docs/benchmarks.md). torchrl's RandomSampler draws alike with no tree to keep,
+            # and the learners send no priorities (ReplayClient's ``prioritized``).
+            self.buffer = TensorDictReplayBuffer(storage=transitions, sampler=RandomSampler())
         # Created for stacked pixel observations, at their first write (see extend_frames).
         # As many frames as transitions: a frame per step, plus a reset stack per episode,
         # so the oldest transitions of a full shard (4 / episode length of them) have lost
@@ -128,9 +142,9 @@ class ReplayShard:
         self, count: int, into: tuple[str, int] | None = None
     ) -> tuple[TensorDictBase | None, float, float]:
         """``count`` transitions drawn by priority (none for 0), and this shard's priority
-        mass: the sum and the minimum of its priorities, as the weights were computed.
-        With ``into`` (a reader and one of its slots), the frames go into that slot, not
-        into the batch."""
+        mass: the sum and the minimum of its priorities, as the weights were computed
+        (drawing uniformly: its size, and 1). With ``into`` (a reader and one of its
+        slots), the frames go into that slot, not into the batch."""
         with self._lock:
             batch = None
             if count > 0:
@@ -139,14 +153,18 @@ class ReplayShard:
                     batch = self._with_pixels(batch, self.readers[into[0]][into[1]] if into else None)
                 batch[GENERATION] = self.generation[batch["index"]]
                 batch[SHARD] = torch.full((count,), self.shard)
-            return batch, *mass(self.buffer)
+            if self.prioritized:
+                return batch, *mass(self.buffer)
+            size = len(self.buffer)
+            return batch, float(size), (1.0 if size else math.inf)
 
     def _with_pixels(self, batch: TensorDictBase, slot: torch.Tensor | None) -> TensorDictBase:
         """``batch`` with each transition's frames (``PIXELS``: its observation's stack and
         the next observation's newest frame) in place of their stamps, or, given a reply
         ``slot``, without them: they are in the slot. A transition whose frames were
         overwritten is drawn again: this is rejection sampling, so the draws stay
-        distributed by priority over the transitions that still have their frames."""
+        distributed by priority (or uniformly) over the transitions that still have their
+        frames."""
         for _ in range(REDRAWS):
             lost = ~self.frames.holds(batch[FRAMES])
             if not lost.any():
@@ -162,7 +180,8 @@ class ReplayShard:
 
     def update_priority(self, priorities: TensorDictBase) -> None:
         """``priorities`` holds the ``index``, ``generation`` and new ``PRIORITY`` of
-        sampled transitions (finite: the learner checks them before its step)."""
+        sampled transitions (finite: the learner checks them before its step). Prioritized
+        shards only."""
         index = priorities["index"]
         with self._lock:
             current = self.generation[index] == priorities[GENERATION]
@@ -177,6 +196,7 @@ class ReplayShard:
         with self._lock:
             self.buffer.dumps(folder)
             counts = {
+                "alpha": self.alpha,
                 "generation": self.generation,
                 "inserted": self.inserted,
                 "stale_updates": self.stale_updates,
@@ -199,11 +219,13 @@ class ReplayShard:
         """Go on from a checkpoint's shards (their folders, ``saved``) as shard ``part`` of
         ``parts``. With as many shards as were saved, each loads its own. Otherwise each
         reads every saved shard and keeps its part (``Dealer``): transitions that share
-        frames stay together, and each goes with its priority and its frames. Write counts that
+        frames stay together, and each goes with its priority and its frames. So do shards
+        saved with another ``alpha``: their priorities go into this shard's sampler, which
+        raises them to its own ``alpha`` (a uniform shard's are all 1). Write counts that
         are totals over the shards (``inserted``, ``stale_updates``) are split between the
         parts, so their sums stay as they were. Streams start anew, as after ``load``.
         """
-        if len(saved) == parts:
+        if len(saved) == parts and SavedShard.alpha_of(Path(saved[part])) == self.alpha:
             self.load(str(saved[part]))
             return
         dealer = Dealer(parts, len(self.generation))  # every part deals alike: each keeps its own
@@ -241,7 +263,8 @@ class ReplayShard:
             renamed = first + torch.searchsorted(needed, stamps)
             rows[FRAMES] = torch.where(held.unsqueeze(-1), renamed, torch.full_like(stamps, LOST))
         index = self.buffer.extend(rows, update_priority=False)
-        self.buffer.update_priority(index, priorities)
+        if self.prioritized:
+            self.buffer.update_priority(index, priorities)
         self.generation[index] += 1
 
     def stats(self) -> dict[str, int]:
