@@ -1,9 +1,9 @@
-"""A checkpoint's replay dealt onto another number of shards.
+"""A checkpoint's replay dealt onto another number of shards (or another ``replay.alpha``).
 
-When a run resumes with as many shards as its checkpoint saved, each shard loads its own.
-Otherwise each new shard reads every saved one (``SavedShard``) and keeps its part
-(``Dealer``), each transition with its priority and the frames it needs, so the buffer
-goes on as it was, spread over the new shards (``ReplayShard.restore``).
+When a run resumes with as many shards as its checkpoint saved, and the same alpha, each
+shard loads its own. Otherwise each new shard reads every saved one (``SavedShard``) and
+keeps its part (``Dealer``), each transition with its priority and the frames it needs, so
+the buffer goes on as it was, spread over the new shards (``ReplayShard.restore``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ class SavedShard:
         generation = self.counts["generation"]
         capacity = len(generation)
         uniform = self.counts.get("alpha") == 0  # None: see alpha_of
+        storage = LazyTensorStorage(capacity)
         if uniform:
-            buffer = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity))
+            buffer = TensorDictReplayBuffer(storage=storage)
         else:  # the saved sampler's alpha replaces this one as it loads
-            buffer = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=LazyTensorStorage(capacity))
+            buffer = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=storage)
         buffer.loads(folder)
         # Oldest first: a slot written in an earlier round of the circular writer, and
         # within a round, a lower slot. The shard's own write counts say which round.

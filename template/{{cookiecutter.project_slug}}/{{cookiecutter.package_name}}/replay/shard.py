@@ -3,8 +3,9 @@
 Each shard is one ``TensorDictPrioritizedReplayBuffer`` that owns its writer cursor and sum
 tree (a ``TensorDictReplayBuffer`` drawing uniformly, with ``alpha`` 0), so learners write
 through it over RPC and no cursor is shared between processes (the failure of
-worker-local buffers on shared storage, where each cursor overwrites the others). Stacked pixel observations are stored frame by frame (frames.py); a checkpoint's
-shards resume on another number of shards (resharding.py).
+worker-local buffers on shared storage, where each cursor overwrites the others). Stacked
+pixel observations are stored frame by frame (frames.py); a checkpoint's shards resume on
+another number of shards, or with another ``alpha`` (resharding.py).
 """
 
 from __future__ import annotations
