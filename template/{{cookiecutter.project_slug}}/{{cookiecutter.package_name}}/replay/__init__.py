@@ -1,7 +1,7 @@
 """Prioritized replay: shards in replay processes, and each learner's client for them.
 
-- ``shard.py``: ``ReplayShard``, one prioritized buffer that a replay process serves over
-  RPC (or that one process keeps in-process);
+- ``shard.py``: ``ReplayShard``, one prioritized buffer (uniform with ``alpha`` 0) that a
+  replay process serves over RPC (or that one process keeps in-process);
 - ``client.py``: ``ReplayClient``, a learner's writes (asynchronous) and samples
   (prefetched, drawn across shards by priority), with frames through shared memory from a
   shard on the same machine;
