@@ -3,13 +3,14 @@
     python benchmarks/replay.py                    # batch 256; 1, 2 and 4 learners
     python benchmarks/replay.py --learners 1 8 --shards 2 --batches-per-request 1
     python benchmarks/replay.py --atari --learners 1 2   # Pong frames, batch 32 (needs [atari])
+    python benchmarks/replay.py --alpha 0 --learners 1   # uniform shards: no sum tree, no priorities sent
 
 Uses the project's ReplayShard and ReplayClient, with the project's defaults (with
 ``--atari``, DQN's on Atari: 8 batches of 32 per request). Each learner
 first extends for ``--seconds`` (256 CartPole-sized transitions per call; with ``--atari``,
 collector batches of real Pong frames, 4 env copies x 32 steps, stored frame by frame),
 then samples and sends priorities back for ``--seconds`` (prefetching, as the learner loop
-does). Rates are summed over learners. In-process means the same shard and client in this
+does; with ``--alpha 0`` the shards draw uniformly and the client sends none). Rates are summed over learners. In-process means the same shard and client in this
 one process, without RPC. With ``--atari`` the RPC runs are made twice: the sampled frames
 come through shared memory (as from a replay process on the learner's machine) and over
 the socket (as from one on another machine); it also prints what one stored transition
@@ -37,7 +38,7 @@ from {{ cookiecutter.package_name }}.replay.frames import NEXT_OBSERVATION, OBSE
 
 CAPACITY = 1_000_000
 ATARI_CAPACITY = 50_000  # per shard: the bytes per transition do not depend on it
-ALPHA, BETA = 0.6, 0.4
+BETA = 0.4
 ATARI_ENVS, ATARI_STEPS = 4, 32
 
 
@@ -85,9 +86,11 @@ def pong_batches(count: int, seed: int) -> list[TensorDict]:
 
 def stored_bytes(shard: ReplayShard) -> float:
     """Bytes one transition takes in ``shard``: its row, its share of the frames (the shard
-    keeps as many frames as transitions), its write count and its two priority-tree leaves."""
+    keeps as many frames as transitions), its write count and its two priority-tree leaves
+    (prioritized shards)."""
     row = shard.buffer.storage.get(torch.arange(1)).bytes()
-    return row + frame_bytes(shard) + shard.generation.element_size() + 2 * 4
+    leaves = 2 * 4 if shard.prioritized else 0
+    return row + frame_bytes(shard) + shard.generation.element_size() + leaves
 
 
 def frame_bytes(shard: ReplayShard) -> int:
@@ -123,6 +126,7 @@ def make_client(shards: list, args, first_shard: int = 0, share_frames: bool = F
         first_shard,
         requests_ahead=args.requests_ahead,
         share_frames=share_frames,
+        prioritized=args.alpha > 0,
     )
 
 
@@ -133,7 +137,7 @@ def workload(args, seed: int) -> list[TensorDict]:
 
 
 def make_shard(args, capacity: int, shard: int = 0) -> ReplayShard:
-    return ReplayShard(min(capacity, ATARI_CAPACITY) if args.atari else capacity, ALPHA, BETA, shard)
+    return ReplayShard(min(capacity, ATARI_CAPACITY) if args.atari else capacity, args.alpha, BETA, shard)
 
 
 def in_process(args, data: list[TensorDict]) -> tuple[dict[str, float], dict[str, float]]:
@@ -203,6 +207,7 @@ def main() -> None:
     )
     parser.add_argument("--requests-ahead", type=int, default=1, help="sample requests kept in flight")
     parser.add_argument("--atari", action="store_true", help="Pong frames instead of CartPole transitions")
+    parser.add_argument("--alpha", type=float, default=0.6, help="the shards' replay.alpha (0: uniform)")
     parser.add_argument(
         "--atari-batches", type=int, default=8, help="--atari: Pong batches collected per learner"
     )
@@ -233,7 +238,8 @@ def main() -> None:
 
     workload_name = "Pong frames (uint8 4x84x84)" if args.atari else "CartPole transitions"
     print(
-        f"{workload_name}; batch {args.batch_size}, {args.batches_per_request} batch(es) per request, "
+        f"{workload_name}; alpha {args.alpha}; batch {args.batch_size}, "
+        f"{args.batches_per_request} batch(es) per request, "
         f"{args.requests_ahead} request(s) ahead"
     )
     print(
@@ -261,6 +267,7 @@ def main() -> None:
         "batches_per_request": args.batches_per_request,
         "requests_ahead": args.requests_ahead,
         "atari": args.atari,
+        "alpha": args.alpha,
     }
     print(json.dumps({"benchmark": "replay", **setup, "shards": args.shards, "rows": rows, **footprint}))
 

@@ -97,10 +97,13 @@ def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
 
 @pytest.mark.slow
 def test_replay_benchmark_measures_rpc_against_in_process():
+    # Uniform shards (alpha 0) over RPC: the prioritized ones are in every replay run's tests.
     command = [sys.executable, "benchmarks/replay.py", "--learners", "2", "--shards", "2", "--seconds", "0.5"]
-    result = run_command(command)
+    result = run_command([*command, "--alpha", "0"])
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = json.loads(result.stdout.strip().splitlines()[-1])["rows"]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["alpha"] == 0
+    rows = figures["rows"]
     assert set(rows) == {"in-process, before", "rpc, 2 shard(s), 2 learner(s)", "in-process, after"}
     assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
 
