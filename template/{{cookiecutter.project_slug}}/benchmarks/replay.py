@@ -6,15 +6,16 @@
     python benchmarks/replay.py --alpha 0 --learners 1   # uniform shards: no sum tree, no priorities sent
 
 Uses the project's ReplayShard and ReplayClient, with the project's defaults (with
-``--atari``, DQN's on Atari: 8 batches of 32 per request). Each learner
-first extends for ``--seconds`` (256 CartPole-sized transitions per call; with ``--atari``,
-collector batches of real Pong frames, 4 env copies x 32 steps, stored frame by frame),
-then samples and sends priorities back for ``--seconds`` (prefetching, as the learner loop
-does; with ``--alpha 0`` the shards draw uniformly and the client sends none). Rates are summed over learners. In-process means the same shard and client in this
-one process, without RPC. With ``--atari`` the RPC runs are made twice: the sampled frames
-come through shared memory (as from a replay process on the learner's machine) and over
-the socket (as from one on another machine); it also prints what one stored transition
-costs in memory against storing both stacks. Prints a table and, last, a JSON line.
+``--atari``, DQN's on Atari: 8 batches of 32 per request). Each learner first extends for
+``--seconds`` (256 CartPole-sized transitions per call; with ``--atari``, collector batches
+of real Pong frames, 4 env copies x 32 steps, stored frame by frame), then samples and
+sends priorities back for ``--seconds`` (prefetching, as the learner loop does; with
+``--alpha 0`` the shards draw uniformly and the client sends none). Rates are summed over
+learners. In-process means the same shard and client in this one process, without RPC.
+With ``--atari`` the RPC runs are made twice: the sampled frames come through shared
+memory (as from a replay process on the learner's machine) and over the socket (as from
+one on another machine); it also prints what one stored transition costs in memory
+against storing both stacks. Prints a table and, last, a JSON line.
 """
 
 from __future__ import annotations
