@@ -98,10 +98,10 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
             if replay.sampled == 0:
                 replay.flush()  # the first sample must see this learner's own frames
             for _ in range(learner.updates_per_step):
-                sample = replay.sample()  # prioritized, across the shards; prefetched
+                sample = replay.sample()  # prioritized (alpha 0: uniform), across the shards; prefetched
                 # Loss, backward (all-reduce), step.
                 priorities = learner.update(sample.to(run.device), learner.batch_weight)
-                replay.update_priority(sample, priorities)  # asynchronous
+                replay.update_priority(sample, priorities)  # asynchronous; uniform replay sends none
         if learner.due(cfg.log_every):
             learner.report()
         if learner.due(cfg.eval.every):
