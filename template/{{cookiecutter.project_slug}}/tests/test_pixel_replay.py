@@ -37,10 +37,11 @@ def batches() -> list[TensorDict]:
 
 
 def filled(
-    batches, shard_count: int = 1, capacity: int = 1000, **shard_options
+    batches, shard_count: int = 1, capacity: int = 1000, alpha: float = 0.6, **shard_options
 ) -> tuple[list[ReplayShard], ReplayClient]:
-    shards = [ReplayShard(capacity, 0.6, 0.4, shard=i, **shard_options) for i in range(shard_count)]
-    client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=64, beta=0.4)
+    shards = [ReplayShard(capacity, alpha, 0.4, shard=i, **shard_options) for i in range(shard_count)]
+    refs = [topology.LocalRef(shard) for shard in shards]
+    client = ReplayClient(refs, batch_size=64, beta=0.4, prioritized=alpha > 0)
     for batch in batches:
         client.extend(batch)
     client.flush()
@@ -90,10 +91,11 @@ def test_sampled_stacks_are_the_envs_own_across_batches_and_episode_ends(batches
     assert reset and all(truth[step][OBSERVATION][3].any() for step in reset)
 
 
-def test_transitions_whose_frames_were_overwritten_are_never_sampled(batches):
+@pytest.mark.parametrize("alpha", [0.6, 0.0])
+def test_transitions_whose_frames_were_overwritten_are_never_sampled(batches, alpha):
     # Frames outrun transitions (reset stacks): in a full small shard, some of the
-    # oldest transitions have lost a frame.
-    (shard,), client = filled(batches, capacity=50)
+    # oldest transitions have lost a frame. Drawn uniformly (alpha 0) or by priority alike.
+    (shard,), client = filled(batches, capacity=50, alpha=alpha)
     assert not shard.frames.holds(shard.buffer[:][FRAMES]).all()
     truth = by_step(batches)
     for _ in range(20):
