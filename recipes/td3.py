@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
 from torch.func import functional_call
@@ -166,7 +166,7 @@ class Agent(nn.Module):
             # Target policy smoothing: the target actor's action, plus clipped noise.
             noise = (torch.randn_like(action) * cfg.policy_noise).clamp(-cfg.noise_clip, cfg.noise_clip)
             next_observation = batch["next", "observation"]
-            next_action = (act(self.target_actor, next_observation) + noise).clamp(self.low, self.high)
+            next_action = (self.act(self.target_actor, next_observation) + noise).clamp(self.low, self.high)
             next_input = torch.cat([next_observation, next_action], -1)
             next_q = torch.min(*(target(next_input).squeeze(-1) for target in self.target_critics))
             target_q = reward + cfg.gamma * (~terminated) * next_q
@@ -175,7 +175,7 @@ class Agent(nn.Module):
         loss_qvalue = weighted_mean(errors.pow(2).sum(0), weight)
 
         rows = len(observation) if self.actor_learns else 0
-        actor_input = torch.cat([observation[:rows], act(self.actor, observation[:rows])], -1)
+        actor_input = torch.cat([observation[:rows], self.act(self.actor, observation[:rows])], -1)
         q_actor = frozen(self.critics[0])(actor_input).squeeze(-1)
         # weighted_mean, divided by the whole batch's weight: over no rows it is 0, not 0 / 0.
         loss_actor = -(q_actor * weight[:rows]).sum() / weight.sum()
@@ -189,6 +189,14 @@ class Agent(nn.Module):
         """Whether the next update's loss includes the actor's: with cudagraphs=true the
         learner records each path of ``forward`` as its own CUDA graph."""
         return self.actor_learns
+
+    def act(self, actor: TensorDictSequential, observation: torch.Tensor) -> torch.Tensor:
+        """``actor``'s action for each observation: its network, then its ``TanhModule``'s
+        squashing into the action bounds, written out on plain tensors. Calling the
+        tensordict modules inside the loss makes ``compile=true`` guard on tensordict's memo
+        of classes, which later eager code grows: the loss would compile once more."""
+        preactivation = actor[0].module(observation)
+        return self.low + (self.high - self.low) * (preactivation.tanh() + 1) / 2
 
     def make_optimizers(self) -> dict[str, torch.optim.Optimizer]:
         """Adam for each; ``fused``: one kernel per step instead of several per tensor."""
@@ -214,11 +222,6 @@ class Agent(nn.Module):
                     for target_weight, weight in zip(target.parameters(), network.parameters(), strict=True):
                         target_weight.lerp_(weight, self.cfg.tau)
         self.actor_learns = (update + 1) % self.cfg.policy_delay == 0
-
-
-def act(actor: TensorDictSequential, observation: torch.Tensor) -> torch.Tensor:
-    """``actor``'s action for each observation."""
-    return actor(TensorDict(observation=observation, batch_size=observation.shape[:1]))["action"]
 
 
 def frozen(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
