@@ -191,7 +191,8 @@ class Learner:
                 process_group=run.learner_group,
                 forward_sync_buffers=False,
             )
-        self.compiling = bool(cfg.compile)
+        self.compile = bool(cfg.compile)
+        self.compiled_paths: set = set()  # the update paths (recipes/__init__.py) compiled so far
         if cfg.compile:
             # The loss compiled, and through AOTAutograd its backward, around DDP as PyTorch
             # compiles DDP models (the all-reduce stays DDP's). The agent itself stays eager:
@@ -340,17 +341,18 @@ class Learner:
         the new priorities on the CPU (replay recipes), or None.
         """
         self.updates += 1
+        # With compile=true the loss compiles at the first update of each update path
+        # (TD3: with and without the actor's loss): phase "compile".
+        path = getattr(self.agent, "update_path", None)
+        compiling = self.compile and path not in self.compiled_paths
+        self.compiled_paths.add(path)
         if self.graphs is not None:
-            # Forward and backward, replayed as one CUDA graph; with compile=true the first
-            # update compiles the loss: phase "compile".
-            with phase("compile" if self.compiling else "graph"):
-                loss, priorities, metrics = self.graphs(
-                    batch, weight, getattr(self.agent, "update_path", None)
-                )
+            # Forward and backward, replayed as one CUDA graph.
+            with phase("compile" if compiling else "graph"):
+                loss, priorities, metrics = self.graphs(batch, weight, path)
                 priorities = checked_priorities(loss, priorities, self.where())
         else:
-            # A compiled loss compiles at its first call, forward and backward: phase "compile".
-            first = "compile" if self.compiling else None
+            first = "compile" if compiling else None
             with phase(first or "forward"), self.run.autocast():
                 loss, priorities, metrics = self.model(batch)
                 priorities = checked_priorities(loss, priorities, self.where())
@@ -358,7 +360,6 @@ class Learner:
                 for optimizer in self.optimizers.values():
                     optimizer.zero_grad(set_to_none=True)
                 (loss * weight).backward()
-        self.compiling = False
         with phase("optimizer"):
             self.agent.optimizer_step(self.optimizers, self.updates)  # the recipe's: optimizers, targets
         self.window.add_metrics(metrics)

@@ -242,7 +242,8 @@ def phases_per_step(learners: list[dict[str, Any]]) -> dict[str, Any]:
         },
         "phase_accounted": sum(sum(stats["phase_seconds"].values()) / stats["train_s"] for stats in learners)
         / len(learners),
-        # compile=true: the first update's seconds, which compiled the loss (the slowest learner's)
+        # compile=true: the seconds of the updates that compiled the loss, each update path's
+        # first (the slowest learner's)
         "compile_s": max(stats["phase_seconds"].get("compile", 0.0) for stats in learners),
     }
 

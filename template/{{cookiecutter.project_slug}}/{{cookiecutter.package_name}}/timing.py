@@ -4,7 +4,8 @@ The steps' parts are timed where they run: ``timed(phase)`` on the methods the l
 (collecting, agreeing across learners, replay's writes and samples, reports, evaluations,
 checkpoints), ``phase(name)`` around the parts of an update (forward, backward with its
 all-reduce, the optimizers; with ``cudagraphs=true`` forward and backward are one phase,
-"graph"; with ``compile=true`` the first update, which compiles the loss, is "compile").
+"graph"; with ``compile=true`` the first update of each update path, which compiles the
+loss, is "compile").
 A phase inside another is the outer one's time, so nothing is counted twice. Two clock
 reads a phase, about a microsecond: cheap enough to leave on.
 
