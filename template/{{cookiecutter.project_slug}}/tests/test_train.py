@@ -156,19 +156,27 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_compiled_loss_trains_on_three_learners_and_resumes_on_one(tmp_path, recipe):
-    """compile=true: torch.compile around DDP keeps the learners identical, times its
-    compiling apart, and its checkpoints resume on another layout, compiled anew."""
+def test_a_compiled_loss_trains_on_three_learners_and_resumes_on_one(tmp_path, monkeypatch, recipe):
+    """compile=true: torch.compile around DDP keeps the learners identical, compiles the
+    loss once for each update path and never again, times its compiling apart, and its
+    checkpoints resume on another layout, compiled anew."""
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")  # each compile after a learner's first
+    # TD3's loss has two update paths (with and without the actor's loss), the others one.
+    recompiles = 1 if hasattr(recipes.load(recipe).Agent, "update_path") else 0
     run_dir = tmp_path / "run"
     compiled = [*tiny_overrides(recipe), "compile=true", f"run_dir={run_dir}"]
-    first = read_summary(learners_run(3, *compiled, "total_frames=1536", "checkpoint.every=1536"))
+    result = learners_run(3, *compiled, "total_frames=1536", "checkpoint.every=1536")
+    first = read_summary(result)
+    assert result.stderr.count("Recompiling function") == 3 * recompiles, result.stderr[-3000:]
     assert first["frames_collected"] == 1536
     assert first["updates"] == expected_updates(recipe, 3, frames=1536)
     assert len(set(first["learner_param_checksums"].values())) == 1
     assert first["compile_s"] > 0 and first["phase_ms_per_step"]["compile"] > 0
 
     command = [sys.executable, "train.py", *compiled, "total_frames=3072", "resume=auto"]
-    resumed = read_summary(run_command(command))
+    result = run_command(command)
+    resumed = read_summary(result)
+    assert result.stderr.count("Recompiling function") == recompiles, result.stderr[-3000:]
     assert resumed["resumed_from"] == str(run_dir / "checkpoints" / "frames-000000001536")
     assert resumed["frames_collected"] == 3072 and resumed["updates"] > first["updates"]
     assert resumed["compile_s"] > 0 and math.isfinite(resumed["eval_return"])
