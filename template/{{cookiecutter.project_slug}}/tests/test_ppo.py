@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchrl.envs.utils import ExplorationType, set_exploration_type
 
 from {{ cookiecutter.package_name }} import checkpoint, recipes
 from {{ cookiecutter.package_name }}.envs import make_env
@@ -73,16 +74,16 @@ def test_one_update_trains_actor_and_critic_through_the_clipped_objective():
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert set(metrics) == {"loss_objective", "loss_critic", "entropy"}
 
-    probe = minibatch[:4].select("observation")
-    before = agent.policy(probe.clone())["logits"].detach()
-    critic_before = agent.value(probe["observation"]).detach()
+    probe = minibatch[:4]["observation"]
+    before = agent.distribution(agent.trunk(probe)).logits.detach()
+    critic_before = agent.value(probe).detach()
     optimizers = agent.make_optimizers()
     loss.backward()
     agent.optimizer_step(optimizers, 1)  # the gradients' norm clipped, then Adam steps
     norm = torch.stack([p.grad.norm() for p in agent.parameters() if p.grad is not None]).norm()
     assert norm <= agent.cfg.max_grad_norm + 1e-6
-    assert not torch.allclose(before, agent.policy(probe.clone())["logits"].detach())
-    assert not torch.allclose(critic_before, agent.value(probe["observation"]).detach())
+    assert not torch.allclose(before, agent.distribution(agent.trunk(probe)).logits.detach())
+    assert not torch.allclose(critic_before, agent.value(probe).detach())
 
 
 def test_the_objective_is_the_clipped_surrogate():
@@ -95,7 +96,7 @@ def test_the_objective_is_the_clipped_surrogate():
     _, _, metrics = agent(minibatch.clone())
 
     with torch.no_grad():
-        log_prob = agent.policy.get_dist(minibatch.clone()).log_prob(minibatch["action"])
+        log_prob = agent.distribution(agent.trunk(minibatch["observation"])).log_prob(minibatch["action"])
     ratio = (log_prob - minibatch["action_log_prob"]).exp()
     advantage = minibatch["advantage"].squeeze(-1)
     advantage = (advantage - advantage.mean()) / advantage.std().clamp_min(1e-6)
@@ -183,6 +184,27 @@ def test_running_moments_combine_every_learners_batch():
     assert moments.count.item() == pytest.approx(400 + 1e-4)
     torch.testing.assert_close(moments.mean, both.mean(0) * 400 / (400 + 1e-4))
     torch.testing.assert_close(moments.var, both.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+def test_the_policy_samples_while_collecting_and_plays_greedily_in_evaluation(env_id):
+    """What the collector stores is a sample of the loss's distribution with its
+    log-probability; in deterministic mode (greedy evaluation) the action is the
+    Gaussian's mean, or the likeliest of the discrete actions."""
+    env = make_env(env_id, num_envs=64, seed=0)
+    agent = ppo.Agent(ppo.Config(hidden_sizes=[16], normalize_observations=True), env)
+    state = env.reset()
+    with torch.no_grad():
+        with set_exploration_type(ExplorationType.RANDOM):
+            sampled = agent.policy(state.clone())
+        with set_exploration_type(ExplorationType.DETERMINISTIC):
+            greedy = agent.policy(state.clone())
+        distribution = agent.distribution(agent.trunk(sampled["observation_normalized"]))
+    torch.testing.assert_close(sampled["observation_normalized"], agent.normalizer(state["observation"]))
+    torch.testing.assert_close(sampled["action_log_prob"], distribution.log_prob(sampled["action"]))
+    assert sampled["action"].shape == state.shape + env.action_spec_unbatched.shape
+    torch.testing.assert_close(greedy["action"], distribution.deterministic_sample)
+    assert not torch.equal(sampled["action"], greedy["action"])
 
 
 def test_continuous_actions_reach_the_env_within_its_bounds():
