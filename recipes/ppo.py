@@ -176,10 +176,10 @@ class Agent(nn.Module):
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
         self.cfg = cfg
-        self.action_spec = env.action_spec_unbatched
+        action_spec = env.action_spec_unbatched
         observation_shape = env.observation_spec_unbatched["observation"].shape
-        self.continuous = self.action_spec.dtype.is_floating_point
-        actions = self.action_spec.shape[-1]
+        self.continuous = action_spec.dtype.is_floating_point
+        actions = action_spec.shape[-1]
         # What the networks read: the observation, or its normalised copy, which the policy
         # writes into each collected frame as it acts (so training sees what acting saw).
         self.observation_key = "observation"
