@@ -346,7 +346,7 @@ class TrainingBatches:
     carries over from one batch to the next. torchrl's ``RewardSum`` transform keeps the
     same sums inside the env, at every step through its step and reset paths: it cost a
     fifth of the collector's frames/s on 32 CartPoles (``benchmarks/collection.py``, 0.36
-    against 0.44 of the plain loop), where this is three tensor operations per step of a
+    against 0.44 of the plain loop), where this is two tensor operations per step of a
     batch.
     """
 
@@ -357,14 +357,17 @@ class TrainingBatches:
 
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
         reward, done = batch["next", "reward"], batch["next", "done"]
-        scores = torch.empty_like(reward)
         running = torch.zeros_like(reward[:, 0]) if self.scores is None else self.scores
-        for step in range(reward.shape[1]):
-            running = running + reward[:, step]
-            scores[:, step] = running
-            running = running.masked_fill(done[:, step], 0)
+        scores = []
+        # Each step's slices taken at once (unbind) and the scores stacked at the end:
+        # indexing and writing one step at a time took a third more (17 against 13 ms
+        # for 2,048 steps of one Hopper).
+        for step_reward, step_done in zip(reward.unbind(1), done.unbind(1), strict=True):
+            running = running + step_reward
+            scores.append(running)
+            running = running.masked_fill(step_done, 0)
         self.scores = running
-        batch["next", "episode_reward"] = scores
+        batch["next", "episode_reward"] = torch.stack(scores, 1)
         if self.clip_rewards:
             batch["next", "reward"] = reward.clamp(-1.0, 1.0)
         if self.life_loss:
