@@ -515,7 +515,6 @@ class RewardScale(nn.Module):
             running = running * step_discount + step_reward
             returns.append(running)
         self.returns = running
-        returns = torch.stack(returns, 1)
-        self.moments.update(returns, sum_over_learners)
+        self.moments.update(torch.stack(returns, 1), sum_over_learners)
         deviation = torch.sqrt(self.moments.var + 1e-8).to(reward.dtype)
         batch["next", "reward"] = (reward / deviation).clamp(-self.CLIP, self.CLIP)
