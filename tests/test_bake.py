@@ -37,14 +37,14 @@ def test_defaults(cookies):
     project = result.project_path
     assert project.name == "my-rl-project"
     assert (project / "my_rl_project" / "recipes" / "dqn.py").is_file()
-    assert (project / "train.py").is_file() and (project / "config.yaml").is_file()
+    assert (project / "my_rl_project" / "config.yaml").is_file()
     assert_fully_rendered(project)
-    assert "from my_rl_project import" in (project / "train.py").read_text()
+    assert "from my_rl_project.train import main" in (project / "train.py").read_text()
+    assert "from my_rl_project.evaluate import main" in (project / "evaluate.py").read_text()
     record = json.loads((project / ".cookiecutter.json").read_text())
     assert record["project_name"] == "My RL Project" and record["package_name"] == "my_rl_project"
     assert (project / ".pre-commit-config.yaml").is_file()
     assert "pytest" in (project / ".github" / "workflows" / "tests.yml").read_text()
-    assert "def main" in (project / "evaluate.py").read_text()
     slurm = project / "slurm.sh"
     assert slurm.stat().st_mode & 0o111, "slurm.sh must stay executable"
     assert "#SBATCH --job-name=my-rl-project" in slurm.read_text()
@@ -123,7 +123,7 @@ def test_one_recipe_project_has_no_trace_of_the_others(cookies):
         not (project / "tests" / "test_dqn.py").exists() and not (project / "tests" / "test_sac.py").exists()
     )
     assert (project / "tests" / "test_ppo.py").is_file()
-    assert "recipe: ppo" in (project / "config.yaml").read_text()
+    assert "recipe: ppo" in (project / "my_rl_project" / "config.yaml").read_text()
     for path in project_files(project):
         if path.is_file():
             text = path.read_text(encoding="utf-8")

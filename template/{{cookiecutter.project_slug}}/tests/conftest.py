@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -174,15 +173,6 @@ def fabric_launcher_env() -> dict[str, str]:
     choice is one the kernel picked and let go, which another test's connection may take
     before rank 0 binds it."""
     return {**command_env(), "MASTER_PORT": str(free_port())}
-
-
-def load_script(name: str):
-    """A script of the project root (train, evaluate) as a module, for tests that call it."""
-    spec = importlib.util.spec_from_file_location(name, PROJECT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def processes_of(run_dir: Path) -> dict[int, int | None]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes, train
 from {{ cookiecutter.package_name }}.distributed.topology import LocalRef
 from {{ cookiecutter.package_name }}.distributed.watchdog import RankFailure
 from {{ cookiecutter.package_name }}.envs import make_env
@@ -27,15 +27,12 @@ from .conftest import (
     expected_updates,
     fabric_command,
     launch,
-    load_script,
     needs_replay,
     processes_of,
     read_summary,
     run_command,
     tiny_overrides,
 )
-
-train = load_script("train")
 
 
 class OneLearner:

@@ -10,12 +10,10 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import config, recipes
+from {{ cookiecutter.package_name }} import config, recipes, train
 from {{ cookiecutter.package_name }}.distributed.topology import Topology, cpus_per_rank
 
-from .conftest import PROJECT, REPLAY_RECIPE, load_script, needs_replay, run_command
-
-train = load_script("train")
+from .conftest import REPLAY_RECIPE, needs_replay, run_command
 
 
 def test_overrides_reach_nested_and_recipe_keys():
@@ -85,7 +83,7 @@ def test_print_config_says_where_each_value_came_from(capsys, recipe):
 @pytest.mark.parametrize("recipe", recipes.available())
 def test_a_recipe_sets_only_what_config_yaml_leaves_to_it(recipe):
     """config.yaml sits over a recipe's run and family defaults: a value it sets hides theirs."""
-    file = OmegaConf.load(PROJECT / "config.yaml")
+    file = OmegaConf.load(train.DEFAULTS)
     module = recipes.load(recipe)
     for defaults in [module.RUN_DEFAULTS, *getattr(module, "FAMILY_DEFAULTS", {}).values()]:
         for key in flat_keys(defaults):

@@ -9,15 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }} import checkpoint, config, evaluate, recipes, train
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import dqn
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
-from .conftest import ATARI_SHORT, collect_one_batch, family_run, load_script, one_learner
-
-train = load_script("train")
-evaluate = load_script("evaluate")
+from .conftest import ATARI_SHORT, collect_one_batch, family_run, one_learner
 
 
 def test_loss_returns_priorities_and_the_update_reaches_the_collector_policy():

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes, train
 from {{ cookiecutter.package_name }}.distributed import topology
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
@@ -27,14 +27,12 @@ from .conftest import (
     STEP_ID,
     collect_one_batch,
     learners_run,
-    load_script,
     needs_replay,
     pong_batches,
     read_summary,
     tiny_overrides,
 )
 
-train = load_script("train")
 ALPHA, BETA = 0.6, 0.4
 
 

@@ -7,12 +7,7 @@ import statistics
 
 import pytest
 
-from {{ cookiecutter.package_name }} import checkpoint, config, recipes
-
-from .conftest import load_script
-
-train = load_script("train")
-evaluate = load_script("evaluate")
+from {{ cookiecutter.package_name }} import checkpoint, config, evaluate, recipes, train
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from {{ cookiecutter.package_name }} import checkpoint, config, recipes, replay
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes, replay, train
 from {{ cookiecutter.package_name }}.distributed import topology
 from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
 from {{ cookiecutter.package_name }}.replay.frames import FRAMES, NEXT_OBSERVATION, OBSERVATION
@@ -19,7 +19,6 @@ from .conftest import (
     REPLAY_RECIPE,
     STEP_ID,
     free_port,
-    load_script,
     needs_replay,
     pong_batches,
     tiny_overrides,
@@ -224,9 +223,6 @@ def test_non_stacked_observations_go_row_by_row(batches):
     single[NEXT_OBSERVATION] = single[NEXT_OBSERVATION][:, :, -1:]
     (shard,), client = filled([single])
     assert shard.frames.written == 0 and shard.buffer[:][OBSERVATION].shape == (ENVS * STEPS, 1, 84, 84)
-
-
-train = load_script("train")
 
 
 @needs_replay

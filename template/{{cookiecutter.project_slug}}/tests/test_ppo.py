@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from {{ cookiecutter.package_name }} import checkpoint, recipes
+from {{ cookiecutter.package_name }} import checkpoint, evaluate, recipes
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import ppo
 
@@ -20,13 +20,10 @@ from .conftest import (
     collect_one_batch,
     fabric_command,
     learners_run,
-    load_script,
     one_learner,
     read_summary,
     run_command,
 )
-
-evaluate = load_script("evaluate")
 
 
 def make_agent_and_batch():

@@ -5,13 +5,9 @@ from __future__ import annotations
 import io
 import math
 
-from {{ cookiecutter.package_name }} import config
+from {{ cookiecutter.package_name }} import config, train
 from {{ cookiecutter.package_name }}.distributed.topology import Topology
 from {{ cookiecutter.package_name }}.recorder import Recorder, Window
-
-from .conftest import load_script
-
-train = load_script("train")
 
 
 def make_recorder(tmp_path, stream: io.StringIO, *overrides: str, learners: int = 1) -> Recorder:

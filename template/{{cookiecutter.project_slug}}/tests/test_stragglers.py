@@ -10,11 +10,10 @@ import signal
 
 import pytest
 
-from {{ cookiecutter.package_name }} import checkpoint, config, recipes
+from {{ cookiecutter.package_name }} import checkpoint, config, recipes, train
 from {{ cookiecutter.package_name }}.distributed.stragglers import chunk_steps, minibatches
 
 from .conftest import (
-    PROJECT,
     RECIPES,
     fabric_command,
     processes_of,
@@ -89,7 +88,7 @@ def test_chunks_divide_the_rollout():
 )
 def test_bad_threshold_settings_are_one_error_line(override, message):
     with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        config.load([override], PROJECT / "config.yaml")
+        config.load([override], train.DEFAULTS)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import checkpoint, recipes
+from {{ cookiecutter.package_name }} import checkpoint, evaluate, recipes
 
 from .conftest import (
     PROJECT,
@@ -23,13 +23,10 @@ from .conftest import (
     fabric_command,
     free_port,
     learners_run,
-    load_script,
     read_summary,
     run_command,
     tiny_overrides,
 )
-
-evaluate = load_script("evaluate")
 
 
 def one_process_run(run_dir, recipe: str, *extra: str) -> dict:
