@@ -63,8 +63,14 @@ test: install slurm
 	REQUIRE_SLURM=$$([ "$$(id -u)" = 0 ] && command -v sbatch >/dev/null && echo 1 || echo 0) \
 		TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest
 
+# The recipes are linted in place, under the generated project's ruff settings (its
+# pyproject.toml is the nearest one); tests/test_bake.py lints a baked project whole. No
+# cache: ruff would write it beside that pyproject.toml, and cookiecutter would copy it into
+# every project.
+RECIPES_DIR := template/{{cookiecutter.project_slug}}/{{cookiecutter.package_name}}/recipes
+
 lint: install
-	$(BIN)/ruff check recipes tests template/hooks
+	$(BIN)/ruff check --no-cache tests template/hooks "$(RECIPES_DIR)"
 
 clean:
 	rm -rf $(VENV) $(TRACKERS_VENV) build

@@ -1,26 +1,41 @@
-"""Recipes tested in place, as the plain Python files the hook copies into projects."""
+"""Recipes tested in place, as the plain Python files the template writes into projects."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib
+import functools
+import sys
+from types import ModuleType
 
 import gymnasium as gym
 import pytest
 import torch
 from torchrl.envs import GymWrapper
 
-from recipes.dqn import make_q_network
-
 from .conftest import REPO
 
-RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py") if not p.stem.startswith("_"))
+SOURCE = REPO / "template" / "{{cookiecutter.project_slug}}" / "{{cookiecutter.package_name}}" / "recipes"
+RECIPES = sorted(p.stem for p in SOURCE.glob("*.py") if not p.stem.startswith("_"))
+
+
+@functools.cache
+def load(name: str) -> ModuleType:
+    """The recipe file ``name`` as a module of its own: a recipe imports nothing from the
+    project's package, whose ``recipes/__init__.py`` (relative imports) cannot be imported
+    from the template. Run from its source, as an import would leave a ``__pycache__`` in
+    the template for cookiecutter to copy into projects."""
+    path = SOURCE / f"{name}.py"
+    module = ModuleType(f"recipe_{name}")
+    module.__file__ = str(path)
+    sys.modules[module.__name__] = module  # dataclasses look their module up while it runs
+    exec(compile(path.read_text(), path, "exec"), module.__dict__)
+    return module
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_follows_the_interface_and_its_loss_trains(name):
-    recipe = importlib.import_module(f"recipes.{name}")
+    recipe = load(name)
     assert dataclasses.is_dataclass(recipe.Config)
     defaults = recipe.RUN_DEFAULTS
     assert (
@@ -73,7 +88,7 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
 def test_every_hyperparameter_is_described_under_its_field(name):
     """`python train.py --help` shows the docstring under each field of the recipe's Config
     (the project's usage.py reads it); each one must have one."""
-    source = (REPO / "recipes" / f"{name}.py").read_text()
+    source = (SOURCE / f"{name}.py").read_text()
     (config,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "Config"]
     described = {
         node.target.id
@@ -82,13 +97,13 @@ def test_every_hyperparameter_is_described_under_its_field(name):
         and isinstance(after, ast.Expr)
         and isinstance(getattr(after.value, "value", None), str)
     }
-    fields = {field.name for field in dataclasses.fields(importlib.import_module(f"recipes.{name}").Config)}
+    fields = {field.name for field in dataclasses.fields(load(name).Config)}
     assert fields == described
 
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_family_defaults_set_known_keys_in_whole_collector_steps(name):
-    recipe = importlib.import_module(f"recipes.{name}")
+    recipe = load(name)
     fields = {field.name for field in dataclasses.fields(recipe.Config)}
     for family, defaults in getattr(recipe, "FAMILY_DEFAULTS", {}).items():
         assert family in {"atari", "minatar", "mujoco"}, family
@@ -106,7 +121,7 @@ def test_family_defaults_set_known_keys_in_whole_collector_steps(name):
 def test_dqn_builds_the_network_the_observations_call_for(shape, convolutions, features):
     """Atari frames: the Nature-DQN convolutions; MinAtar grids: the MinAtar network's one;
     vectors: an MLP. Images are uint8 and become floats inside the network."""
-    network = make_q_network(torch.Size(shape), actions=6, hidden_sizes=[32])
+    network = load("dqn").make_q_network(torch.Size(shape), actions=6, hidden_sizes=[32])
     convs = [module.out_channels for module in network.modules() if isinstance(module, torch.nn.Conv2d)]
     linears = [module for module in network.modules() if isinstance(module, torch.nn.Linear)]
     assert convs == convolutions and linears[0].in_features == features

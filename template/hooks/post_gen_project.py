@@ -1,27 +1,27 @@
-"""Copy the chosen recipes from the template repository's ``recipes/`` into the project,
-and remove the tests of the recipes that were not chosen.
+"""Check the chosen recipes exist, then remove the others and their tests from the project.
 
-Recipes live once, as plain Python, at the top of the template repository (where they are
-linted and tested in place); a project receives only the ones its author chose.
+The recipes on offer are the files in the template's own ``recipes/`` package, which
+cookiecutter has just written into the project: checking here, rather than before
+generation, needs no list of names to keep in step with the files, and no path to the
+template repository (cookiecutter gives one to hooks, cruft does not). Cookiecutter (and
+cruft, through it) removes the project when this hook exits non-zero, so an unknown recipe
+still leaves nothing behind.
 """
 
-import shutil
+import sys
 from pathlib import Path
 
-TEMPLATE_DIR = Path("{{ cookiecutter._repo_dir }}")
 PACKAGE_NAME = "{{ cookiecutter.package_name }}"
 RECIPES = "{{ cookiecutter.recipes }}"
 
-
-# `_repo_dir` is the local copy of the template folder (".../template"), whether cookiecutter
-# was pointed at the repository root or given `--directory template`.
-source = TEMPLATE_DIR.parent / "recipes"
-if not source.is_dir():
-    raise SystemExit(f"error: cannot find the recipes folder next to {TEMPLATE_DIR}")
+project = Path.cwd()
+recipes = project / PACKAGE_NAME / "recipes"
+available = sorted(path.stem for path in recipes.glob("*.py") if not path.stem.startswith("_"))
 chosen = {name.strip() for name in RECIPES.split(",") if name.strip()}
-target = Path.cwd() / PACKAGE_NAME / "recipes"
-for name in sorted(chosen):
-    shutil.copy2(source / f"{name}.py", target / f"{name}.py")
-for recipe in source.glob("*.py"):
-    if recipe.stem not in chosen:
-        (Path.cwd() / "tests" / f"test_{recipe.stem}.py").unlink(missing_ok=True)
+if chosen - set(available):
+    print(f"error: recipes {RECIPES!r} must name some of: {', '.join(available)}", file=sys.stderr)
+    sys.exit(1)
+for name in available:
+    if name not in chosen:
+        (recipes / f"{name}.py").unlink()
+        (project / "tests" / f"test_{name}.py").unlink(missing_ok=True)
