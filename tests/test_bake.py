@@ -191,7 +191,7 @@ def test_generated_project_trackers_keep_a_real_run(cookies):
 # --help, its runs, its checkpoints, evaluating its default recipe's agent, its benchmarks
 # (the collection benchmark, which builds its own policies, aside).
 RECIPE_DEPENDENT = ["test_config.py", "test_train.py", "test_checkpoint.py", "test_elastic.py",
-                    "test_evaluate.py", "test_benchmarks.py", "test_ppo.py"]  # fmt: skip
+                    "test_evaluate.py", "test_benchmarks.py", "test_ppo.py", "test_docs.py"]  # fmt: skip
 RECIPE_INDEPENDENT = ["tests/test_benchmarks.py::test_collection_benchmark_prints_a_table_and_a_json_line"]
 
 
