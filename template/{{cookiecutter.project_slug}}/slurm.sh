@@ -2,12 +2,12 @@
 # Train on a SLURM cluster: srun starts one torchrun agent on every node, and each agent
 # starts that node's learners (one per GPU), restarts them when one dies, and re-forms the
 # job without a node that dies (torchelastic). Every learner is a rank; a replay recipe's
-# replay shards (replay.ranks) run in CPU processes that rank 0 starts on its node, so that
+# replay shards (replay.processes) run in CPU processes that rank 0 starts on its node, so that
 # node's cores and memory must hold them too (about 7 GB per million Atari transitions).
 # Edit the #SBATCH lines for your cluster.
 #
 #   sbatch slurm.sh                                   # the defaults of config.yaml
-#   sbatch slurm.sh replay.ranks=2 total_frames=2000000
+#   sbatch slurm.sh replay.processes=2 total_frames=2000000
 #   NET_IF=ib0 sbatch slurm.sh                        # the nodes talk over interface ib0
 #   LEARNERS_PER_NODE=8 sbatch slurm.sh fabric.accelerator=cpu   # a CPU cluster
 #

@@ -83,7 +83,7 @@ def replay_settings(args: argparse.Namespace) -> list[str]:
         return []
     return [
         "collector.mode=async",
-        f"replay.ranks={REPLAY_PROCESSES}",
+        f"replay.processes={REPLAY_PROCESSES}",
         f"replay.capacity={2 * args.frames}",  # room for every transition: the replay check counts them
     ]
 

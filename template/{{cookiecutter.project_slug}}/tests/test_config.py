@@ -10,7 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from {{ cookiecutter.package_name }} import config, recipes, train
+from {{ cookiecutter.package_name }} import config, recipes, train, usage
 from {{ cookiecutter.package_name }}.distributed.topology import Topology, cpus_per_rank
 
 from .conftest import REPLAY_RECIPE, needs_replay, run_command
@@ -100,29 +100,49 @@ def test_print_config_shows_resolved_values_without_running(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("recipe", recipes.available())
-def test_help_lists_every_key_with_its_value_and_a_description(capsys, recipe):
+def test_help_lists_every_key_with_its_value_and_a_description(capsys, monkeypatch, recipe):
+    monkeypatch.setenv("COLUMNS", "100")
     assert train.main([f"recipe={recipe}", "seed=7", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python train.py")
-    rows = dict(re.findall(r"^  (\S+?)=(.*)$", out, re.M))
+    too_long = [line for line in out.splitlines() if len(line) > 100]
+    assert not too_long, too_long
+    rows = help_rows(out)
     cfg = config.load([f"recipe={recipe}", "seed=7"], train.DEFAULTS)
     keys = flat_keys(OmegaConf.to_container(cfg))
+    assert "env.kwargs" in keys and rows["env.kwargs"][0] == "{}"
     assert sorted(rows) == sorted(keys)
-    assert rows["seed"].split()[0] == "7"  # the resolved values, overrides included
-    assert rows["env.id"].split()[0] == cfg.env.id  # a value the recipe sets
-    for key, text in rows.items():
-        value, _, description = text.partition("  ")
-        assert description.strip(), f"{key} has no description"
+    assert rows["seed"][0] == "7"  # the resolved values, overrides included
+    assert rows["env.id"][0] == cfg.env.id  # a value the recipe sets
+    for key, (_, description) in rows.items():
+        assert description, f"{key} has no description"
     # A comment that goes on over the next line (config.yaml's) is read whole.
-    assert rows["collector.sync_frac"].endswith("1: everyone collects in full")
+    assert rows["collector.sync_frac"][1].endswith("1: everyone collects in full")
     fields = [field.name for field in dataclasses.fields(recipes.load(recipe).Config)]
     assert [key for key in keys if key.startswith("algo.")] == [f"algo.{name}" for name in fields]
+
+
+def help_rows(out: str) -> dict[str, tuple[str, str]]:
+    """key -> (value, description) of --help's rows: ``  key=value  description``, the
+    description going on over the indented lines below."""
+    rows, last = {}, None
+    for line in out.splitlines():
+        if match := re.match(r"^  (\S+?)=(\S*)\s*(.*)$", line):
+            last = match[1]
+            rows[last] = (match[2], match[3])
+        elif last and line.startswith(" " * usage.DESCRIPTION_COLUMN):
+            value, description = rows[last]
+            rows[last] = (value, f"{description} {line.strip()}".strip())
+        else:
+            last = None
+    return rows
 
 
 def flat_keys(tree: dict, prefix: str = "") -> list[str]:
     keys = []
     for key, value in tree.items():
-        keys += flat_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+        nested = isinstance(value, dict) and value  # an empty dict (env.kwargs) is a key of its own
+        keys += flat_keys(value, f"{prefix}{key}.") if nested else [f"{prefix}{key}"]
     return keys
 
 
@@ -145,8 +165,8 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["total_frames=-5"], "total_frames must be > 0"),
         (["total_frames=lots"], "total_frames: Value 'lots'"),
         pytest.param(
-            [f"recipe={REPLAY_RECIPE}", "fabric.devices=2", "replay.ranks=0"],
-            "replay.ranks must be >= 1 for a replay recipe on several learners",
+            [f"recipe={REPLAY_RECIPE}", "fabric.devices=2", "replay.processes=0"],
+            "replay.processes must be >= 1 for a replay recipe on several learners",
             marks=needs_replay,
         ),
         (["replay.batches_per_request=0"], "replay.batches_per_request must be >= 1, got 0"),

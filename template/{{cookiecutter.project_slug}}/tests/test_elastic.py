@@ -222,7 +222,7 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
 
     # Refused before: learners and replay shards now change freely; the recipe and env do not.
     resume = [*tiny_overrides(REPLAY_RECIPE), f"resume={tmp_path}", f"run_dir={tmp_path}", "--print-config"]
-    assert train.main([*resume, "fabric.devices=3", "replay.ranks=2"]) == 0
+    assert train.main([*resume, "fabric.devices=3", "replay.processes=2"]) == 0
     assert train.main([*resume, "env.id=Acrobot-v1"]) == 2
     assert "is a checkpoint of recipe" in capsys.readouterr().err
 
@@ -253,7 +253,7 @@ def test_a_checkpoint_resumes_on_another_layout_and_says_so(tmp_path, capsys):
 def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"recipe={REPLAY_RECIPE}", *SMALL, "replay.capacity=2000", f"run_dir={run_dir}"]
-    first = learners_run(2, *overrides, "replay.ranks=1")
+    first = learners_run(2, *overrides, "replay.processes=1")
     assert read_summary(first)["frames_collected"] == 384
     folder = checkpoint.latest(run_dir)
     meta = checkpoint.Meta.read(folder)
@@ -271,7 +271,7 @@ def test_one_shard_and_two_learners_resume_as_two_shards_and_three_learners(tmp_
 
     # Steps of 3 x 32 frames from 384 to 768; learning started long ago: 3 x 2 updates a
     # step, each of 8 transitions dealt out as 3, 3 and 2.
-    resumed = learners_run(3, *overrides, "replay.ranks=2", "total_frames=768", f"resume={run_dir}")
+    resumed = learners_run(3, *overrides, "replay.processes=2", "total_frames=768", f"resume={run_dir}")
     summary = read_summary(resumed)
     assert summary["roles"] == {"0": "learner", "1": "learner", "2": "learner", "3": "replay", "4": "replay"}
     changed = "(learners 2 -> 3, replay shards 1 -> 2)"

@@ -75,7 +75,7 @@ class CollectorConfig:
 
 @dataclass
 class ReplayConfig:
-    ranks: int = MISSING
+    processes: int = MISSING
     capacity: int = MISSING
     # alpha and batches_per_request: these unless the recipe's defaults for the env's family
     # (or the user) say otherwise.
@@ -263,10 +263,10 @@ def validate(cfg: DictConfig) -> None:
     for key in ("collector.sync_frac", "collector.min_rollout_frac"):
         if not 0 < OmegaConf.select(cfg, key) <= 1:
             raise ConfigError(f"{key} must be in (0, 1], got {OmegaConf.select(cfg, key)}")
-    if cfg.replay.ranks < 0:
-        raise ConfigError(f"replay.ranks must be >= 0, got {cfg.replay.ranks}")
-    if agent.uses_replay and cfg.replay.ranks < 1 and expected_world_size(cfg) != 1:
-        raise ConfigError("replay.ranks must be >= 1 for a replay recipe on several learners")
+    if cfg.replay.processes < 0:
+        raise ConfigError(f"replay.processes must be >= 0, got {cfg.replay.processes}")
+    if agent.uses_replay and cfg.replay.processes < 1 and expected_world_size(cfg) != 1:
+        raise ConfigError("replay.processes must be >= 1 for a replay recipe on several learners")
     if cfg.checkpoint.every < 0:
         raise ConfigError(f"checkpoint.every must be >= 0, got {cfg.checkpoint.every}")
     if cfg.checkpoint.keep < 1:

@@ -12,7 +12,7 @@ command (pyproject.toml's ``[project.scripts]``) do. The defaults are this packa
 ``config.yaml``.
 
 Every rank Fabric starts is a learner. With several of them and a replay recipe, rank 0
-also starts ``replay.ranks`` CPU processes that host the prioritized replay buffer's shards
+also starts ``replay.processes`` CPU processes that host the prioritized replay buffer's shards
 (distributed/replay_processes.py); one process keeps its buffer in-process (see
 distributed/topology.py). Rank 0 writes the run's records into run_dir. The training
 loops themselves are in learner.py.
@@ -116,7 +116,7 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType, resumed: checkpoint
     """This rank's part of the run; returns the process's exit code. ``resumed``: the
     checkpoint the run goes on from."""
     plan = topology.Topology.plan(
-        fabric.world_size, fabric.global_rank, cfg.replay.ranks, recipe.Agent.uses_replay
+        fabric.world_size, fabric.global_rank, cfg.replay.processes, recipe.Agent.uses_replay
     )
     logs.setup(plan.rank, plan.role)
     if plan.rank == 0:

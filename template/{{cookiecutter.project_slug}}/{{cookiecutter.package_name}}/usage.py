@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import inspect
 import re
+import shutil
 import textwrap
 from pathlib import Path
 from types import ModuleType
@@ -92,8 +93,14 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+# Where descriptions start; a longer key=value puts its description on the next line.
+DESCRIPTION_COLUMN = 36
+
+
 def render(cfg: DictConfig, recipe: ModuleType, defaults: Path) -> str:
-    """The help text for the resolved ``cfg``."""
+    """The help text for the resolved ``cfg``, wrapped to the terminal's width (100 columns
+    when the output is not a terminal)."""
+    columns = shutil.get_terminal_size((100, 24)).columns
     comments = yaml_comments(defaults)
     values = flatten(OmegaConf.to_container(cfg))
     run = [
@@ -104,22 +111,40 @@ def render(cfg: DictConfig, recipe: ModuleType, defaults: Path) -> str:
         (f"algo.{field.name}", values[f"algo.{field.name}"], docs.get(field.name, ""))
         for field in dataclasses.fields(recipe.Config)
     ]
-    width = max(len(f"{key}={value}") for key, value, _ in run + algo) + 2
+    source = recipe.__name__.replace(".", "/")
     lines = [
         USAGE,
         "",
-        "Override any key as key=value. Run settings (config.yaml; ??? there: the recipe's value):",
+        *textwrap.wrap(
+            f"Override any key as key=value. Run settings ({defaults.name} in {defaults.parent.name}/; "
+            "??? there: the recipe's value for the env):",
+            columns,
+        ),
     ]
-    lines += [f"  {f'{key}={value}':<{width}}{text}" for key, value, text in run]
-    lines += ["", f"Hyperparameters of recipe '{cfg.recipe}' ({recipe.__name__.replace('.', '/')}.py):"]
-    lines += [f"  {f'{key}={value}':<{width}}{text}" for key, value, text in algo]
+    for key, value, text in run:
+        lines += entry(f"{key}={value}", text, columns)
+    lines += ["", *textwrap.wrap(f"Hyperparameters of recipe '{cfg.recipe}' ({source}.py):", columns)]
+    for key, value, text in algo:
+        lines += entry(f"{key}={value}", text, columns)
     return "\n".join(lines)
+
+
+def entry(key_value: str, text: str, columns: int) -> list[str]:
+    """``key=value`` and its description wrapped beside it, in ``columns`` columns."""
+    head = f"  {key_value}"
+    body = textwrap.wrap(text, max(columns - DESCRIPTION_COLUMN, 20))
+    if not body:
+        return [head]
+    indent = " " * DESCRIPTION_COLUMN
+    if len(head) >= DESCRIPTION_COLUMN - 1:
+        return [head, *(indent + line for line in body)]
+    return [head.ljust(DESCRIPTION_COLUMN) + body[0], *(indent + line for line in body[1:])]
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # an empty dict (env.kwargs) is a key of its own
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = format_value(value)
@@ -134,4 +159,6 @@ def format_value(value: object) -> str:
         return str(value).lower()
     if isinstance(value, list):
         return "[" + ",".join(format_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{}"
     return str(value)

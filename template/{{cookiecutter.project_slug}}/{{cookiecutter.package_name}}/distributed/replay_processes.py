@@ -2,7 +2,7 @@
 
 A replay shard needs memory and a core, not a GPU. So that every rank Fabric launches is a
 learner (``fabric run --devices 8``: eight GPU learners), rank 0 starts one process per
-shard (``replay.ranks``) on its node, with no GPU visible to it. Each joins the RPC world
+shard (``replay.processes``) on its node, with no GPU visible to it. Each joins the RPC world
 and the watchdog's store as the rank after the learners', serves its shard until the
 learners are done, and leaves with the RPC world's shutdown. It stops with the run on a
 failure, and on its own when rank 0 is gone (the watchdog compares its parent's pid).
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_args(argv)
     cfg = OmegaConf.load(args.config)
-    plan = topology.Topology.plan(args.learners, args.rank, cfg.replay.ranks, uses_replay=True)
+    plan = topology.Topology.plan(args.learners, args.rank, cfg.replay.processes, uses_replay=True)
     logs.setup(plan.rank, plan.role)
     # Tree searches and gathers of a few hundred rows gain nothing from more threads.
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Who does what: learner ranks, replay processes, the learners' process group, the RPC world.
 
 Every rank Fabric launches is a learner (ranks 0 .. N-1), so on an N-GPU node all N GPUs
-train. A replay recipe on several learners adds ``replay.ranks`` CPU processes that rank
+train. A replay recipe on several learners adds ``replay.processes`` CPU processes that rank
 0 starts beside them (replay_processes.py), each hosting one replay shard; they join the RPC
 world and the watchdog's store as ranks N .. N+R-1, and never Fabric's process group.
 Rank 0 also keeps the run's records (metrics, summary.json). Objects a process serves over
