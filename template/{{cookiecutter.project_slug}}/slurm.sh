@@ -21,8 +21,12 @@
 # which passes it on to the job's processes; the learners stop at the same step and write
 # a checkpoint, and once they have all ended this script requeues the job (scontrol
 # requeue). The requeued job runs this same script: resume=auto goes on from the newest
-# checkpoint in run_dir (and starts afresh when there is none). Give each job its own
-# run_dir.
+# checkpoint in run_dir (and starts afresh when there is none).
+#
+# Each job has its own run_dir, named by its job id, which a requeued job keeps:
+# runs/<recipe>-<env>-seed<seed>-job<id>. Two jobs of the same recipe, env and seed never
+# share one. To go on from an earlier job's run, name its folder: run_dir=<it> (a run
+# there with another recipe, env, seed or algo is refused in one line).
 #
 #SBATCH --job-name={{ cookiecutter.project_slug }}
 #SBATCH --nodes=2
@@ -76,6 +80,7 @@ srun bash -c 'trap "" USR1; exec torchrun --local-addr="$(node_address)" "$@"' t
     --rdzv-backend=c10d --rdzv-endpoint="$MAIN_ADDR:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     train.py fabric.accelerator=gpu fabric.strategy=ddp \
     checkpoint.every=100000 resume=auto \
+    "run_dir=runs/\${recipe}-\${one_folder:\${env.id}}-seed\${seed}-job$SLURM_JOB_ID" \
     "$@" &
 STEP=$!
 # Once SLURM's warning has come, pass it on to the job step, and again every 10 s until the

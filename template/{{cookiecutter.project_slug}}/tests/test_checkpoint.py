@@ -1,9 +1,11 @@
-"""Checkpoints: written whole or not at all, pruned, refused when they do not fit the run,
-and a 3-rank run killed with SIGKILL goes on from its last one to the right frame count."""
+"""Checkpoints: written whole or not at all, pruned, refused when they do not fit the run; a
+run_dir holds one run; a default run stopped by Ctrl-C goes on from where it stopped, and a
+3-rank run killed with SIGKILL from its last checkpoint, to the right frame count."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -19,6 +21,7 @@ from {{ cookiecutter.package_name }} import checkpoint, config, recipes, train
 from {{ cookiecutter.package_name }}.distributed.topology import LocalRef
 from {{ cookiecutter.package_name }}.distributed.watchdog import RankFailure
 from {{ cookiecutter.package_name }}.envs import make_env
+from {{ cookiecutter.package_name }}.recorder import logged_rows
 from {{ cookiecutter.package_name }}.replay import ReplayShard
 
 from .conftest import (
@@ -264,10 +267,79 @@ def test_a_run_dir_holds_one_runs_checkpoints(tmp_path, capsys):
 
 def test_resume_from_nothing_is_one_error_line(tmp_path, capsys):
     assert train.main([f"resume={tmp_path}", "--print-config"]) == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == f"error: resume: no checkpoint at {tmp_path} (checkpoint.every=N writes them)"
+    assert capsys.readouterr().err.strip() == (
+        f"error: resume: no checkpoint at {tmp_path} (checkpoint.every=N, and a stop by a signal, write them)"
     )
+
+
+SAME_RUN_LINE = (
+    "(a run keeps its recipe, env, seed, algo and frames_per_batch; total_frames, eval, learners and the "
+    "rest may change): choose another run_dir"
+)
+
+
+def test_a_run_dir_holds_one_run_and_refuses_another_configuration_in_one_line(tmp_path):
+    """A run's records (config.yaml) name its configuration: another seed in the same run_dir
+    is refused with exit code 2 and the records stay; the same run with other
+    total_frames, eval, logging or learners is not."""
+    recipe = REPLAY_RECIPE or RECIPES[0]
+    run_dir = tmp_path / "run"
+    overrides = [*tiny_overrides(recipe), "total_frames=512", "eval.episodes=2", f"run_dir={run_dir}"]
+    read_summary(run_command([sys.executable, "train.py", *overrides]))
+    records = {name: (run_dir / name).read_text() for name in ("config.yaml", "summary.json")}
+
+    refused = run_command([sys.executable, "train.py", *overrides, "seed=1", "total_frames=1024"])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines() == [
+        f"error: run_dir {run_dir} holds another run's records: seed 0 -> 1 {SAME_RUN_LINE}"
+    ]
+    assert records == {name: (run_dir / name).read_text() for name in records}
+
+    changes = ["total_frames=4096", "eval.episodes=5", "eval.every=0", "log_every=512", "fabric.devices=2"]
+    for resume in ([], ["resume=auto"]):
+        cfg = config.load([*overrides, *changes, *resume], train.DEFAULTS)
+        checkpoint.check_run_dir(cfg, checkpoint.check_resume(cfg))
+
+
+@pytest.mark.slow
+def test_a_default_run_stopped_by_ctrl_c_goes_on_with_resume_auto_from_the_frame_it_stopped_at(tmp_path):
+    """checkpoint.every at its default (none): the stop writes the checkpoint. Under `fabric
+    run` Ctrl-C reaches the launcher, which passes it on to its ranks."""
+    recipe = REPLAY_RECIPE or RECIPES[0]
+    run_dir = tmp_path / "run"
+    overrides = [*tiny_overrides(recipe), "resume=auto", f"run_dir={run_dir}"]
+    stopped = launch(fabric_command(2, "train.py", *overrides, "total_frames=10000000"))
+    deadline = time.monotonic() + 180
+    while not logged_rows(run_dir):  # training: the first row comes after log_every frames
+        assert stopped.poll() is None, stopped.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run logged nothing"
+        time.sleep(0.2)
+    os.killpg(stopped.pid, signal.SIGINT)  # Ctrl-C: the terminal's process group, fabric run's
+    _, stderr = stopped.communicate(timeout=90)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGINT", stderr[-3000:]
+    frames = summary["frames_collected"]
+    assert 0 < frames < 10_000_000
+    last = checkpoint.latest(run_dir)
+    assert last == checkpoint.training_dir(run_dir, frames)
+    updates = checkpoint.Meta.read(last).updates
+    assert processes_of(run_dir) == {}
+
+    # Another seed there is refused, and told how to branch from the checkpoint instead.
+    cfg = config.load([*overrides, "seed=1"], train.DEFAULTS)
+    branch = f"or resume={run_dir} run_dir=<another> to go on from its checkpoint"
+    with pytest.raises(config.ConfigError, match=re.escape(branch)):
+        checkpoint.check_run_dir(cfg, checkpoint.check_resume(cfg))
+
+    # The same command goes on, here to 2 steps of 2 learners more (total_frames may change).
+    resumed = run_command(fabric_command(2, "train.py", *overrides, f"total_frames={frames + 1024}"))
+    summary = read_summary(resumed)
+    assert f"resumed from {last} at frame {frames}, update {updates}" in resumed.stderr
+    assert summary["resumed_from"] == str(last)
+    assert summary["frames_collected"] == frames + 1024
+    if recipes.load(recipe).Agent.uses_replay:
+        assert summary["replay_size"] == frames + 1024  # the buffer came back whole
+    assert len(set(summary["learner_param_checksums"].values())) == 1
 
 
 @pytest.mark.slow

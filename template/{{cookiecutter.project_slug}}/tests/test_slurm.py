@@ -1,7 +1,8 @@
 """slurm.sh under a real SLURM: a one-node cluster (slurmctld, slurmd and munge, started
 here for this module in a temporary folder) runs the job as a cluster would: sbatch, srun
 starting torchrun, a rank killed and restarted, SIGUSR1 before the time limit, the requeue,
-and the requeued job finishing the run.
+and the requeued job finishing the run; two jobs of the same recipe, env and seed each in
+a run_dir of their own.
 
 It needs SLURM's daemons (Debian's ``slurm-wlm`` and ``munge``; ``make test`` installs them
 when it runs as root) and root, as SLURM's daemons do. Without them it is skipped, unless
@@ -26,7 +27,7 @@ import pytest
 
 from {{ cookiecutter.package_name }} import checkpoint, recipes
 
-from .conftest import RECIPES, REPLAY_RECIPE, command_env, free_port, processes_of, tiny_overrides
+from .conftest import PROJECT, RECIPES, REPLAY_RECIPE, command_env, free_port, processes_of, tiny_overrides
 
 RECIPE = REPLAY_RECIPE or RECIPES[0]
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
@@ -197,3 +198,39 @@ def test_a_job_heals_a_killed_rank_stops_before_its_time_limit_and_its_requeue_f
     assert summary["resumed_from"] == str(checkpoint.training_dir(run_dir, stops[-1]))
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert processes_of(run_dir) == {}, "nothing of the job may outlive it"
+
+
+def test_two_jobs_of_the_same_recipe_env_and_seed_do_not_share_a_run_dir(slurm, tmp_path):
+    """Neither names a run_dir: each writes into the one slurm.sh names by its job id, and
+    the second does not go on from the first's checkpoints (both run resume=auto)."""
+    options = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}"]
+    arguments = ["slurm.sh", "fabric.accelerator=cpu", *tiny_overrides(RECIPE), "total_frames=512"]
+    arguments += ["checkpoint.every=256"]
+    env = {**slurm, "LEARNERS_PER_NODE": "1"}
+    jobs = {}
+    for name in ("first", "second"):
+        output = tmp_path / f"{name}.out"
+        command = [*options, "--time=5", f"--output={output}", *arguments]
+        submitted = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, check=True)
+        jobs[submitted.stdout.strip()] = output
+    try:
+        deadline = time.monotonic() + 300
+        run_dirs = set()
+        for job, output in jobs.items():
+            while (state := job_state(slurm, job))[0] != "COMPLETED":
+                log = output.read_text() if output.exists() else ""
+                assert state[0] in ALIVE, f"{state}\n{log[-3000:]}"
+                assert time.monotonic() < deadline, f"job {job} did not finish ({state})\n{log[-3000:]}"
+                time.sleep(0.5)
+            (line,) = [line for line in output.read_text().splitlines() if line.startswith("summary: ")]
+            summary_path = PROJECT / line.removeprefix("summary: ")
+            assert summary_path.parent.name.endswith(f"-seed0-job{job}"), summary_path
+            summary = json.loads(summary_path.read_text())
+            assert summary["frames_collected"] == 512 and summary["resumed_from"] is None, summary
+            run_dirs.add(summary_path.parent)
+        assert len(run_dirs) == 2
+    finally:
+        subprocess.run(["scancel", *jobs], env=slurm, capture_output=True)
+        for job in jobs:
+            for run_dir in (PROJECT / "runs").glob(f"*-job{job}"):
+                shutil.rmtree(run_dir)

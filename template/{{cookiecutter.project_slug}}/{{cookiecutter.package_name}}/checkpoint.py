@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml  # omegaconf's own parser: what OmegaConf.load raises on a damaged file
 from lightning_fabric.utilities.seed import seed_everything
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import logs, recipes
 from .config import ConfigError
@@ -273,20 +275,79 @@ def latest(path: str | Path) -> Path:
         return candidate
     found = newest_whole(candidate)
     if found is None:
-        raise ConfigError(f"resume: no checkpoint at {candidate} (checkpoint.every=N writes them)")
+        raise ConfigError(
+            f"resume: no checkpoint at {candidate} (checkpoint.every=N, and a stop by a signal, write them)"
+        )
     return found
 
 
 AUTO = "auto"
+RECORD = "config.yaml"  # the resolved config a run writes into its run_dir as it starts
+# The keys that make a run that run: what the agent learns, from which experience. A run
+# going on in its run_dir may change any other (total_frames to extend it, eval, logging,
+# the numbers of learners and replay processes, timeouts).
+SAME_RUN = (
+    "recipe",
+    "env.id",
+    "env.kwargs",
+    "env.clip_rewards",
+    "env.life_loss",
+    "seed",
+    "algo",
+    "collector.frames_per_batch",
+)
+
+
+def other_run(cfg: DictConfig) -> list[str]:
+    """How the run whose records ``cfg.run_dir`` holds differs from ``cfg`` in the keys of
+    ``SAME_RUN``, e.g. ``["seed 0 -> 1"]``; empty when they agree or there are no records."""
+    record = Path(cfg.run_dir) / RECORD
+    if not record.is_file():
+        return []
+    try:
+        saved = OmegaConf.load(record)
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as error:
+        return [f"its {RECORD} cannot be read ({type(error).__name__})"]
+    before, now = same_run_keys(saved), same_run_keys(cfg)
+    return [
+        f"{key} {before.get(key, '(none)')} -> {now.get(key, '(none)')}"
+        for key in sorted(before.keys() | now.keys())
+        if before.get(key) != now.get(key)
+    ]
+
+
+def same_run_keys(cfg: DictConfig) -> dict[str, Any]:
+    """The values of the keys of ``SAME_RUN``; the recipe's hyperparameters one by one."""
+    found = {}
+    for key in SAME_RUN:
+        value = OmegaConf.select(cfg, key)
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        if key == "algo" and isinstance(value, dict):
+            found.update({f"algo.{name}": item for name, item in value.items()})
+        else:
+            found[key] = value
+    return found
 
 
 def check_run_dir(cfg: DictConfig, resumed: Checkpoint | None) -> None:
-    """The checkpoints in a run_dir are one run's line of history: it may hold some only
+    """A run_dir holds one run. A run refuses one whose records (``config.yaml``) are of
+    another configuration (``SAME_RUN``), whatever ``resume`` says.
+
+    The checkpoints in a run_dir are that run's line of history: it may hold some only
     when this run goes on (``resumed``, as ``check_resume`` found it) from the newest of
     them, or the newest is damaged (``resume=auto`` always does). Otherwise two runs'
     checkpoints would mix, and a later ``resume=auto`` could go on from the other run's
     newest: a fresh start in a used run_dir, or a resume from an older checkpoint."""
     found = complete(cfg.run_dir)
+    differences = other_run(cfg)
+    if differences:
+        branch = f", or resume={cfg.run_dir} run_dir=<another> to go on from its checkpoint" if found else ""
+        raise ConfigError(
+            f"run_dir {cfg.run_dir} holds another run's records: {', '.join(differences)} (a run keeps "
+            f"its recipe, env, seed, algo and frames_per_batch; total_frames, eval, learners and the rest "
+            f"may change): choose another run_dir{branch}"
+        )
     if not found or cfg.resume == AUTO:
         return
     newest = found[-1]

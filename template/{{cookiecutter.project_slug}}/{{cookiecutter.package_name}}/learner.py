@@ -428,8 +428,10 @@ class Learner:
         """Checkpoint a stopped run, close the collector, wait for every report, and return
         this learner's statistics for the summary."""
         cfg, stop = self.cfg, self.run.watchdog.stop
-        if stop.is_set() and cfg.checkpoint.every > 0 and self.saved_at != self.frames:
-            self.save_checkpoint(replay)  # stopped early: the run can go on from here
+        # Stopped early (SIGINT, SIGTERM, SIGUSR1), whatever checkpoint.every says: the run
+        # can go on from here. A dead peer is no stop: the watchdog ends this process first.
+        if stop.is_set() and self.saved_at != self.frames:
+            self.save_checkpoint(replay)
         if self.window.frames:  # the frames since the last row: a run shorter than log_every gets one too
             self.report()
         train_s, phases = time.monotonic() - self.started, timing.totals()

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import checkpoint, logs
 from ..replay import ReplayShard
 from . import restarts, topology
-from .watchdog import Watchdog
+from .watchdog import STOP_SIGNALS, Watchdog, signals_ignored
 
 log = logging.getLogger(__name__)
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,11 @@ def start(cfg: DictConfig, plan: topology.Topology, served: topology.Endpoints, 
         command += ["--address", served.address, "--rpc-port", str(served.rpc_port)]
         command += ["--watchdog-port", str(served.watchdog_port)]
         env = {**os.environ, "RANK": str(rank), "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath}
-        watchdog.adopt(rank, subprocess.Popen(command, env=env))
+        # Started ignoring the stop signals until its watchdog catches them: SLURM's SIGUSR1,
+        # which slurm.sh sends again every 10 s, would otherwise kill one still importing
+        # torch. A stop that comes meanwhile reaches it through the watchdog's store.
+        with signals_ignored(*STOP_SIGNALS):
+            watchdog.adopt(rank, subprocess.Popen(command, env=env))
 
 
 def join(processes: list[subprocess.Popen], timeout_s: float) -> None:
