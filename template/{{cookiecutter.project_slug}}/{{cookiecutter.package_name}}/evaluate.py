@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(argv)
         path = checkpoint.locate(args.checkpoint)
         state, recipe = checkpoint.load(path)
-        # The run's env settings (family preprocessing, vectorization, kwargs); older
-        # checkpoints have only the id.
-        env = state.get("env", state["env_id"])
+        # The run's env settings (family preprocessing, vectorization, kwargs), not only its id.
+        env = state["env"]
         agent = recipes.make_agent(recipe, state["algo"], env)
         agent.load_state_dict(state["agent"])
         agent.eval()
