@@ -18,7 +18,7 @@ from torchrl.modules import MLP, ConvNet
 
 def image_encoder(observation_shape: torch.Size) -> tuple[nn.Sequential, int]:
     """The convolutions for uint8 images ``(channels, height, width)``, and how many
-    features they output: the Nature-DQN convolutions (Mnih et al. 2015) for frames of 36
+    features they output: the Nature CNN's convolutions (Mnih et al. 2015) for frames of 36
     pixels or more (Atari's 84x84), else the MinAtar network's one 3x3 convolution (Young &
     Tian 2019). The images become floats in ``[0, 1]`` first, inside the network.
 
