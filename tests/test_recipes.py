@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import re
 import sys
 from types import ModuleType
 
@@ -100,6 +101,12 @@ def test_a_recipe_imports_only_the_shared_parts_from_the_project(name):
     tree = ast.parse((SOURCE / f"{name}.py").read_text())
     relative = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
     assert set(relative) <= {"_parts"}, relative
+
+
+def test_the_shared_parts_name_no_recipe():
+    """Every project has _parts.py, whichever recipes it was made with: it speaks of none."""
+    text = (SOURCE / "_parts.py").read_text().lower()
+    assert [name for name in RECIPES if re.search(rf"\b{name}\b", text)] == []
 
 
 @pytest.mark.parametrize("name", RECIPES)
