@@ -118,6 +118,7 @@ def test_one_recipe_project_has_no_trace_of_the_others(cookies):
     project = result.project_path
     assert sorted(p.name for p in (project / "my_rl_project" / "recipes").glob("*.py")) == [
         "__init__.py",
+        "_parts.py",
         "ppo.py",
     ]
     assert (

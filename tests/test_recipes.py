@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import re
 import sys
 from types import ModuleType
 
@@ -19,15 +20,24 @@ SOURCE = REPO / "template" / "{{cookiecutter.project_slug}}" / "{{cookiecutter.p
 RECIPES = sorted(p.stem for p in SOURCE.glob("*.py") if not p.stem.startswith("_"))
 
 
+# The package the recipe files run in, standing in for the project's `recipes` package.
+PACKAGE = "template_recipes"
+
+
 @functools.cache
 def load(name: str) -> ModuleType:
-    """The recipe file ``name`` as a module of its own: a recipe imports nothing from the
-    project's package, whose ``recipes/__init__.py`` (relative imports) cannot be imported
-    from the template. Run from its source, as an import would leave a ``__pycache__`` in
-    the template for cookiecutter to copy into projects."""
+    """The recipe file ``name`` as a module of a stand-in package: a recipe imports nothing
+    from the project's package but its shared parts (``from ._parts import ...``), and the
+    package's ``recipes/__init__.py`` (relative imports) cannot be imported from the
+    template. Run from its source, as an import would leave a ``__pycache__`` in the
+    template for cookiecutter to copy into projects."""
+    if name != "_parts":
+        load("_parts")  # first: a recipe's `from ._parts import ...` finds it loaded
+    sys.modules.setdefault(PACKAGE, ModuleType(PACKAGE))
     path = SOURCE / f"{name}.py"
-    module = ModuleType(f"recipe_{name}")
+    module = ModuleType(f"{PACKAGE}.{name}")
     module.__file__ = str(path)
+    module.__package__ = PACKAGE
     sys.modules[module.__name__] = module  # dataclasses look their module up while it runs
     exec(compile(path.read_text(), path, "exec"), module.__dict__)
     return module
@@ -82,6 +92,21 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     loss.backward()
     agent.optimizer_step(optimizers, 1)
     assert any(not torch.equal(a, b) for a, b in zip(before, agent.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_imports_only_the_shared_parts_from_the_project(name):
+    """A project keeps only the recipes chosen at generation, and the shared parts: a
+    recipe importing another, or the runtime, would break there or tie the two together."""
+    tree = ast.parse((SOURCE / f"{name}.py").read_text())
+    relative = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+    assert set(relative) <= {"_parts"}, relative
+
+
+def test_the_shared_parts_name_no_recipe():
+    """Every project has _parts.py, whichever recipes it was made with: it speaks of none."""
+    text = (SOURCE / "_parts.py").read_text().lower()
+    assert [name for name in RECIPES if re.search(rf"\b{name}\b", text)] == []
 
 
 @pytest.mark.parametrize("name", RECIPES)

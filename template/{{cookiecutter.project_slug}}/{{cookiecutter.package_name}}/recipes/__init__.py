@@ -1,7 +1,9 @@
 """Recipes: one module per algorithm, found by name (``recipe=x`` loads ``recipes/x.py``).
 
-A recipe module holds what is specific to its algorithm and imports nothing from this
-package, so it can be read, linted and tested on its own. It defines:
+A recipe module holds what is specific to its algorithm. From this package it imports
+only, by name, the networks and helpers that several recipes share, in ``_parts.py``
+(which every project has and which names no recipe), so it can be read, linted and
+tested on its own, and a project keeps only the recipes it was made with. It defines:
 
 ``RUN_DEFAULTS``
     The run settings this algorithm comes with (``env.id``, ``env.num_envs``,

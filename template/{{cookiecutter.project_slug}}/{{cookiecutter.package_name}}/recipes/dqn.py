@@ -24,7 +24,9 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictSequential
 from torch import nn
 from torchrl.envs import EnvBase
-from torchrl.modules import MLP, ConvNet, EGreedyModule, QValueActor
+from torchrl.modules import MLP, EGreedyModule, QValueActor
+
+from ._parts import TRANSITION_KEYS, image_encoder, weighted_mean
 
 RUN_DEFAULTS = {
     "env": {"id": "CartPole-v1", "num_envs": 32},
@@ -122,13 +124,7 @@ class Agent(nn.Module):
 
     uses_replay = True
     action_spaces = ("discrete",)
-    batch_keys = (
-        "observation",
-        "action",
-        ("next", "observation"),
-        ("next", "reward"),
-        ("next", "terminated"),
-    )
+    batch_keys = TRANSITION_KEYS
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -192,45 +188,11 @@ class Agent(nn.Module):
 
 def make_q_network(observation_shape: torch.Size, actions: int, hidden_sizes: list[int]) -> nn.Module:
     """An MLP for vector observations. For images ``(channels, height, width)``: the
-    Nature-DQN convolutions (Mnih et al. 2015) for frames of 36 pixels or more (Atari's
-    84x84), else the MinAtar network's one 3x3 convolution (Young & Tian 2019); then
-    ``hidden_sizes`` fully connected units (512 and 128 in the papers)."""
+    Nature-DQN convolutions for Atari's frames or the MinAtar network's one for MinAtar's
+    grids (``image_encoder``), then ``hidden_sizes`` fully connected units (512 and 128 in
+    the papers)."""
     if len(observation_shape) == 1:
         return MLP(observation_shape[0], actions, num_cells=hidden_sizes, activation_class=nn.ReLU)
-    channels, height, _ = observation_shape
-    if height >= 36:
-        convolutions = ConvNet(
-            channels,
-            num_cells=[32, 64, 64],
-            kernel_sizes=[8, 4, 3],
-            strides=[4, 2, 1],
-            activation_class=nn.ReLU,
-        )
-        scale = 255.0  # grey levels
-    else:
-        convolutions = ConvNet(
-            channels, num_cells=[16], kernel_sizes=[3], strides=[1], activation_class=nn.ReLU
-        )
-        scale = 1.0  # MinAtar's channels are 0 or 1
-    with torch.no_grad():
-        features = convolutions(torch.zeros(1, *observation_shape)).shape[-1]
+    encoder, features = image_encoder(observation_shape)
     head = MLP(features, actions, num_cells=hidden_sizes, activation_class=nn.ReLU)
-    return nn.Sequential(ToFloat(scale), convolutions, head)
-
-
-class ToFloat(nn.Module):
-    """uint8 images (one byte per value from the env, through the collector and replay)
-    become floats here, on the network's device: a batch crosses to the GPU at a quarter
-    of float32's size. torch has no module for a dtype cast with a scale."""
-
-    def __init__(self, scale: float) -> None:
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return images.float().div_(self.scale)
-
-
-def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The mean of ``values`` under prioritized replay's importance weights."""
-    return (values * weight).sum() / weight.sum()
+    return nn.Sequential(*encoder, head)

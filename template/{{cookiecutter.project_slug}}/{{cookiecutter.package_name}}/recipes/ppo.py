@@ -23,8 +23,10 @@ from tensordict.nn import AddStateIndependentNormalScale, TensorDictModuleBase
 from torch import nn
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, exploration_type
-from torchrl.modules import MLP, ConvNet, IndependentNormal, OneHotCategorical
+from torchrl.modules import MLP, IndependentNormal, OneHotCategorical
 from torchrl.objectives.value import GAE
+
+from ._parts import image_encoder
 
 NORMALIZED = "observation_normalized"  # the key of the normalised observations
 
@@ -390,26 +392,9 @@ def separate_mlps(observations, actions, continuous, cfg):
 
 def shared_trunk(observation_shape, actions, cfg):
     """A convolutional trunk shared by the actor's and the critic's linear heads, on uint8
-    images (made floats in the trunk, on the learner's device): the Nature-DQN convolutions
-    for frames of 36 pixels or more (Atari's 84x84), else the MinAtar network's one 3x3
-    convolution; then ``hidden_sizes`` units."""
-    channels, height, _ = observation_shape
-    if height >= 36:
-        convolutions = ConvNet(
-            channels,
-            num_cells=[32, 64, 64],
-            kernel_sizes=[8, 4, 3],
-            strides=[4, 2, 1],
-            activation_class=nn.ReLU,
-        )
-        scale = 255.0  # grey levels
-    else:
-        convolutions = ConvNet(
-            channels, num_cells=[16], kernel_sizes=[3], strides=[1], activation_class=nn.ReLU
-        )
-        scale = 1.0  # MinAtar's channels are 0 or 1
-    with torch.no_grad():
-        features = convolutions(torch.zeros(1, *observation_shape)).shape[-1]
+    images: the Nature-DQN convolutions for Atari's frames or the MinAtar network's one
+    for MinAtar's grids (``image_encoder``), then ``hidden_sizes`` units."""
+    encoder, features = image_encoder(observation_shape)
     dense = MLP(
         features,
         cfg.hidden_sizes[-1],
@@ -417,7 +402,7 @@ def shared_trunk(observation_shape, actions, cfg):
         activation_class=nn.ReLU,
         activate_last_layer=True,
     )
-    trunk = nn.Sequential(ToFloat(scale), convolutions, dense)
+    trunk = nn.Sequential(*encoder, dense)
     actor_head, critic_head = nn.Linear(cfg.hidden_sizes[-1], actions), nn.Linear(cfg.hidden_sizes[-1], 1)
     if cfg.orthogonal_init:
         orthogonal_init(trunk, output_gain=math.sqrt(2))
@@ -433,18 +418,6 @@ def orthogonal_init(network: nn.Module, output_gain: float) -> None:
     for layer in layers:
         nn.init.orthogonal_(layer.weight, math.sqrt(2) if layer is not layers[-1] else output_gain)
         nn.init.zeros_(layer.bias)
-
-
-class ToFloat(nn.Module):
-    """uint8 images (one byte per value from the env, through the collector) become floats
-    here, on the network's device. torch has no module for a dtype cast with a scale."""
-
-    def __init__(self, scale: float) -> None:
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return images.float().div_(self.scale)
 
 
 class RunningMoments(nn.Module):

@@ -22,9 +22,10 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
-from torch.func import functional_call
 from torchrl.envs import EnvBase
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal
+
+from ._parts import TRANSITION_KEYS, frozen, polyak, smaller_q, td_errors, twin_critics, weighted_mean
 
 RUN_DEFAULTS = {
     "env": {"id": "Pendulum-v1", "num_envs": 4},
@@ -93,13 +94,7 @@ class Agent(nn.Module):
 
     uses_replay = True
     action_spaces = ("continuous",)
-    batch_keys = (
-        "observation",
-        "action",
-        ("next", "observation"),
-        ("next", "reward"),
-        ("next", "terminated"),
-    )
+    batch_keys = TRANSITION_KEYS
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -121,13 +116,7 @@ class Agent(nn.Module):
         self.action_spec = action_spec
         self.register_buffer("low", action_spec.space.low.clone())
         self.register_buffer("high", action_spec.space.high.clone())
-        # Q(s, a) on the observation and the action side by side.
-        self.critics = nn.ModuleList(
-            MLP(
-                in_features=observations + actions, out_features=1, num_cells=hidden, activation_class=nn.ReLU
-            )
-            for _ in range(2)
-        )
+        self.critics = twin_critics(observations, actions, hidden)
         self.target_critics = copy.deepcopy(self.critics).requires_grad_(False)
         self.log_alpha = nn.Parameter(torch.tensor(math.log(cfg.alpha_init)))
         self.target_entropy = -float(actions)  # the paper's: minus the action's dimensions
@@ -170,16 +159,13 @@ class Agent(nn.Module):
         with torch.no_grad():
             next_observation = batch["next", "observation"]
             next_action, next_log_prob = self.sample(next_observation)
-            next_input = torch.cat([next_observation, next_action], -1)
-            next_q = torch.min(*(target(next_input).squeeze(-1) for target in self.target_critics))
+            next_q = smaller_q(self.target_critics, next_observation, next_action)
             target_q = reward + self.cfg.gamma * (~terminated) * (next_q - alpha * next_log_prob)
-        state_action = torch.cat([observation, action], -1)
-        errors = torch.stack([critic(state_action).squeeze(-1) - target_q for critic in self.critics])
+        errors = td_errors(self.critics, observation, action, target_q)
         loss_qvalue = weighted_mean(errors.pow(2).sum(0), weight)
 
         new_action, log_prob = self.sample(observation)
-        new_input = torch.cat([observation, new_action], -1)
-        q_new = torch.min(*(frozen(critic)(new_input).squeeze(-1) for critic in self.critics))
+        q_new = smaller_q([frozen(critic) for critic in self.critics], observation, new_action)
         loss_actor = weighted_mean(alpha * log_prob - q_new, weight)
         loss_alpha = weighted_mean(-self.log_alpha * (log_prob.detach() + self.target_entropy), weight)
 
@@ -209,18 +195,4 @@ class Agent(nn.Module):
         the way towards the critics (Polyak averaging)."""
         for optimizer in optimizers.values():
             optimizer.step()
-        with torch.no_grad():
-            targets = zip(self.target_critics.parameters(), self.critics.parameters(), strict=True)
-            for target, critic in targets:
-                target.lerp_(critic, self.cfg.tau)
-
-
-def frozen(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module`` with its weights detached: gradients reach its input, not its weights."""
-    weights = {name: value.detach() for name, value in module.named_parameters()}
-    return lambda x: functional_call(module, weights, (x,))
-
-
-def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The mean of ``values`` under prioritized replay's importance weights."""
-    return (values * weight).sum() / weight.sum()
+        polyak(self.target_critics, self.critics, self.cfg.tau)

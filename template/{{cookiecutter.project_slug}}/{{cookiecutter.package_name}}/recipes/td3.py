@@ -25,9 +25,10 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule, TensorDictSequential
 from torch import nn
-from torch.func import functional_call
 from torchrl.envs import EnvBase
 from torchrl.modules import MLP, AdditiveGaussianModule, TanhModule
+
+from ._parts import TRANSITION_KEYS, frozen, polyak, smaller_q, td_errors, twin_critics, weighted_mean
 
 RUN_DEFAULTS = {
     "env": {"id": "Pendulum-v1", "num_envs": 4},
@@ -90,13 +91,7 @@ class Agent(nn.Module):
 
     uses_replay = True
     action_spaces = ("continuous",)
-    batch_keys = (
-        "observation",
-        "action",
-        ("next", "observation"),
-        ("next", "reward"),
-        ("next", "terminated"),
-    )
+    batch_keys = TRANSITION_KEYS
 
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
@@ -124,13 +119,7 @@ class Agent(nn.Module):
             sigma_end=cfg.exploration_noise,
             std=half_range,
         )
-        # Q(s, a) on the observation and the action side by side.
-        self.critics = nn.ModuleList(
-            MLP(
-                in_features=observations + actions, out_features=1, num_cells=hidden, activation_class=nn.ReLU
-            )
-            for _ in range(2)
-        )
+        self.critics = twin_critics(observations, actions, hidden)
         self.target_actor = copy.deepcopy(self.actor).requires_grad_(False)
         self.target_critics = copy.deepcopy(self.critics).requires_grad_(False)
         # Whether the next update trains the actor: optimizer_step knows the update number.
@@ -167,11 +156,9 @@ class Agent(nn.Module):
             noise = (torch.randn_like(action) * cfg.policy_noise).clamp(-cfg.noise_clip, cfg.noise_clip)
             next_observation = batch["next", "observation"]
             next_action = (self.act(self.target_actor, next_observation) + noise).clamp(self.low, self.high)
-            next_input = torch.cat([next_observation, next_action], -1)
-            next_q = torch.min(*(target(next_input).squeeze(-1) for target in self.target_critics))
+            next_q = smaller_q(self.target_critics, next_observation, next_action)
             target_q = reward + cfg.gamma * (~terminated) * next_q
-        state_action = torch.cat([observation, action], -1)
-        errors = torch.stack([critic(state_action).squeeze(-1) - target_q for critic in self.critics])
+        errors = td_errors(self.critics, observation, action, target_q)
         loss_qvalue = weighted_mean(errors.pow(2).sum(0), weight)
 
         rows = len(observation) if self.actor_learns else 0
@@ -217,19 +204,6 @@ class Agent(nn.Module):
         optimizers["critics"].step()
         if update % self.cfg.policy_delay == 0:
             optimizers["actor"].step()
-            with torch.no_grad():
-                for target, network in ((self.target_actor, self.actor), (self.target_critics, self.critics)):
-                    for target_weight, weight in zip(target.parameters(), network.parameters(), strict=True):
-                        target_weight.lerp_(weight, self.cfg.tau)
+            polyak(self.target_actor, self.actor, self.cfg.tau)
+            polyak(self.target_critics, self.critics, self.cfg.tau)
         self.actor_learns = (update + 1) % self.cfg.policy_delay == 0
-
-
-def frozen(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module`` with its weights detached: gradients reach its input, not its weights."""
-    weights = {name: value.detach() for name, value in module.named_parameters()}
-    return lambda x: functional_call(module, weights, (x,))
-
-
-def weighted_mean(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The mean of ``values`` under prioritized replay's importance weights."""
-    return (values * weight).sum() / weight.sum()
