@@ -279,8 +279,10 @@ def test_under_torchelastic_rank_0_says_the_one_line_and_the_launcher_reports_it
     result = run_in(mistakes_project, command)
     assert result.returncode == 1 and result.stdout == ""
     lines = result.stderr.splitlines()
-    assert lines[0] == refusal(name), result.stderr[-3000:]
-    assert [line for line in lines if line.startswith("error: ")] == [refusal(name)]
+    assert [line for line in lines if line.startswith("error: ")] == [refusal(name)], result.stderr[-3000:]
+    # The one traceback is the launcher's, after the line.
+    assert result.stderr.count("Traceback") == 1
+    assert result.stderr.index(refusal(name)) < result.stderr.index("Traceback")
     report = result.stderr[result.stderr.index("ChildFailedError") :]
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in report, report
     assert not any(tmp_path.iterdir())
