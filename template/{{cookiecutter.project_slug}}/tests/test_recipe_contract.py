@@ -160,32 +160,32 @@ class Agent(nn.Module):
         optimizers["sgd"].step()
 """
 # name -> (what LINEAR_Q says, what the mistake says instead, the rule refused). The check
-# collects 2 steps of the recipe's 4 CartPoles: a batch of 8 transitions.
+# collects 2 steps of 2 CartPoles: a batch of 4 transitions.
 MISTAKES = {
     "float_priorities": (
         "errors.detach(), {",
         "errors.mean().item(), {",
-        "forward's priorities must be a tensor of shape [8] for a batch of 8 transitions, got a float",
+        "forward's priorities must be a tensor of shape [4] for a batch of 4 transitions, got a float",
     ),
     "scalar_priorities": (
         "errors.detach(), {",
         "errors.mean().detach(), {",
-        "forward's priorities must be a tensor of shape [8] for a batch of 8 transitions, got shape []",
+        "forward's priorities must be a tensor of shape [4] for a batch of 4 transitions, got shape []",
     ),
     "column_priorities": (
         "errors.detach(), {",
         "errors.detach().unsqueeze(-1), {",
-        "forward's priorities must be a tensor of shape [8] for a batch of 8 transitions, got shape [8, 1]",
+        "forward's priorities must be a tensor of shape [4] for a batch of 4 transitions, got shape [4, 1]",
     ),
     "loss_per_transition": (
         'batch["priority_weight"]).mean()',
         'batch["priority_weight"])',
-        "forward's loss must be a scalar tensor, got shape [8]",
+        "forward's loss must be a scalar tensor, got shape [4]",
     ),
     "metric_per_transition": (
         '{"q": q.mean().detach()}',
         '{"q": q.detach()}',
-        "forward's metric 'q' must be a scalar tensor, got shape [8]",
+        "forward's metric 'q' must be a scalar tensor, got shape [4]",
     ),
     "no_step": (
         'optimizers["sgd"].step()',

@@ -51,7 +51,9 @@ CONFIG_FIELDS = {
     False: ("epochs", "minibatch_size"),
 }
 GUIDE = "docs/adding-a-recipe.md"
-CHECK_STEPS = 2  # steps of every env copy that check_update trains on: a few transitions
+# check_update's batch: CHECK_STEPS steps of up to CHECK_COPIES copies of the run's env.
+# Fewer copies than the run's: 8 Atari games take seconds to start, 2 a fraction of that.
+CHECK_COPIES, CHECK_STEPS = 2, 2
 
 
 class AgentProtocol(Protocol):
@@ -151,7 +153,7 @@ def check_update(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any
 
     env = OmegaConf.to_container(env) if isinstance(env, DictConfig) else env
     with torch.random.fork_rng(devices=[]):
-        copies = make_env(env, env["num_envs"], seed)
+        copies = make_env(env, min(env["num_envs"], CHECK_COPIES), seed)
         try:
             agent = recipe.Agent(config_of(recipe, algo), copies)
             batch = first_batch(agent, copies, env)
