@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         resumed = checkpoint.check_resume(cfg)
         if not FLAGS & set(argv):  # --help and --print-config run nothing
             checkpoint.check_run_dir(cfg, resumed)
-    except config.ConfigError as error:
+            recipes.check_update(cfg.recipe, recipe, cfg.algo, cfg.env, cfg.seed)
+    except (config.ConfigError, recipes.RecipeError) as error:
         return refused(error)
     if {"-h", "--help"} & set(argv):
         print(usage.render(cfg, recipe, DEFAULTS))
@@ -81,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     return fabric.launch(run, cfg, recipe, resumed)
 
 
-def refused(error: config.ConfigError) -> int:
-    """Say what is wrong with the configuration in one line; the exit code. Under `fabric
-    run` every rank checks the same config and rank 0 says it. The others wait a moment:
-    the launcher stops all ranks as soon as one exits."""
+def refused(error: ValueError) -> int:
+    """Say what is wrong with the configuration or the recipe in one line; the exit code.
+    Under `fabric run` or torchrun every rank checks the same config and rank 0 says it.
+    The others wait a moment: the launcher stops all ranks as soon as one exits, and then
+    adds its own report of rank 0's exit (a ChildFailedError traceback, exit code 1),
+    which no rank can prevent."""
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr)
     else:

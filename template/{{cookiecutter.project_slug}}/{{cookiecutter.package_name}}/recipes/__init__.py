@@ -23,8 +23,10 @@ tested on its own, and a project keeps only the recipes it was made with. It def
     says which in an ``update_path`` attribute, any hashable value: ``cudagraphs=true``
     records a CUDA graph per path and would otherwise replay the first one at every update.
 
-``load`` checks all of this when a recipe loads and names what is missing in one line.
-docs/adding-a-recipe.md explains each part and adds a recipe step by step.
+``load`` checks all of this when a recipe loads and names what is missing in one line;
+``check_update`` then makes one update of a fresh Agent on a few transitions before a run
+trains, and names the first rule its results break. docs/adding-a-recipe.md explains
+each part and adds a recipe step by step.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+from torchrl.envs import EnvBase
+from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from ..envs import CONTINUOUS, DISCRETE, make_env
+from ..envs import CONTINUOUS, DISCRETE, TrainingBatches, make_env
 
 # The hyperparameters the learner's loops read, by Agent.uses_replay.
 CONFIG_FIELDS = {
@@ -49,6 +53,9 @@ CONFIG_FIELDS = {
     False: ("epochs", "minibatch_size"),
 }
 GUIDE = "docs/adding-a-recipe.md"
+# check_update's batch: CHECK_STEPS steps of up to CHECK_COPIES copies of the run's env.
+# Fewer copies than the run's: 8 Atari games take seconds to start, 2 a fraction of that.
+CHECK_COPIES, CHECK_STEPS = 2, 2
 
 
 class AgentProtocol(Protocol):
@@ -137,16 +144,92 @@ def check(name: str, module: ModuleType) -> None:
         raise broken(f"Config has no {missing[0]}, which learner.{loop} reads")
 
 
+def check_update(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int) -> None:
+    """Raise RecipeError naming the first rule that one update of ``recipe`` breaks, before
+    a run trains: a fresh Agent's ``forward``, backward and ``optimizer_step`` at update 1
+    on a few transitions it collected (``first_batch``). The run's own agent is built
+    apart, from its seed, and torch's random state is left as it was."""
+
+    def broken(what: str) -> RecipeError:
+        return RecipeError(f"recipe {name}: {what} (see {GUIDE})")
+
+    env = OmegaConf.to_container(env) if isinstance(env, DictConfig) else env
+    with torch.random.fork_rng(devices=[]):
+        copies = make_env(env, min(env["num_envs"], CHECK_COPIES), seed)
+        try:
+            agent = recipe.Agent(config_of(recipe, algo), copies)
+            batch = first_batch(agent, copies, env)
+        finally:
+            copies.close()
+        optimizers = agent.make_optimizers()
+        trained = [parameter for parameter in agent.parameters() if parameter.requires_grad]
+        before = [parameter.detach().clone() for parameter in trained]
+        returned = agent(batch)
+        if not (isinstance(returned, tuple) and len(returned) == 3):
+            raise broken(f"forward must return (loss, priorities, metrics), got {described(returned)}")
+        loss, priorities, metrics = returned
+        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+            raise broken(f"forward's loss must be a scalar tensor, got {described(loss)}")
+        if not loss.requires_grad:
+            raise broken("forward's loss has no gradient (computed under no_grad, or detached)")
+        one_each = isinstance(priorities, torch.Tensor) and priorities.shape == batch.shape
+        if agent.uses_replay and not one_each:
+            raise broken(
+                f"forward's priorities must be a tensor of shape [{len(batch)}] for a batch of "
+                f"{len(batch)} transitions, got {described(priorities)}"
+            )
+        if not agent.uses_replay and priorities is not None:
+            raise broken(f"an on-policy recipe's priorities must be None, got {described(priorities)}")
+        if not isinstance(metrics, Mapping):
+            raise broken(f"forward's metrics must be a dict of scalar tensors, got {described(metrics)}")
+        for key, value in metrics.items():
+            if not (isinstance(value, torch.Tensor) and value.ndim == 0):
+                raise broken(f"forward's metric {key!r} must be a scalar tensor, got {described(value)}")
+        loss.backward()
+        agent.optimizer_step(optimizers, 1)
+        if all(torch.equal(old, parameter) for old, parameter in zip(before, trained, strict=True)):
+            raise broken("optimizer_step moved no parameter at update 1: it must step the optimizers")
+
+
+def first_batch(agent: torch.nn.Module, copies: EnvBase, env: Mapping[str, Any]) -> TensorDictBase:
+    """What ``agent``'s first update trains on, in small: ``CHECK_STEPS`` steps of the env
+    ``copies`` (made from the run's ``env`` config) as a collector takes them with its
+    policy, after ``after_collect``; as replay samples them (``batch_keys``,
+    ``priority_weight``), or as an on-policy minibatch."""
+    with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
+        batch = copies.rollout(CHECK_STEPS, agent.policy, break_when_any_done=False)
+    batch = TrainingBatches(env.get("clip_rewards", False), env.get("life_loss", False))(batch)
+    agent.after_collect(batch, batch.numel(), lambda tensor: tensor)
+    if not agent.uses_replay:
+        return batch.reshape(-1)
+    batch = batch.select(*agent.batch_keys).reshape(-1)
+    batch["priority_weight"] = torch.ones(batch.shape)
+    return batch
+
+
+def described(value: Any) -> str:
+    """``value`` in an error line: a tensor by its shape, anything else by its type."""
+    if isinstance(value, torch.Tensor):
+        return f"shape [{', '.join(map(str, value.shape))}]"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def config_of(recipe: ModuleType, algo: Any) -> Any:
+    """``recipe``'s Config from ``algo``: one already, or a mapping of its fields (a run
+    config's ``algo``)."""
+    if isinstance(algo, recipe.Config):
+        return algo
+    return recipe.Config(**(OmegaConf.to_container(algo) if isinstance(algo, DictConfig) else algo))
+
+
 def make_agent(
     recipe: ModuleType, algo: Any, env: Mapping[str, Any] | str, num_envs: int = 1
 ) -> torch.nn.Module:
     """``recipe``'s Agent with hyperparameters ``algo`` (its Config, or a mapping of the
     Config's fields such as a run config's ``algo``), its layers sized by a batch of
     ``num_envs`` copies of ``env``."""
-    if not isinstance(algo, recipe.Config):
-        algo = recipe.Config(**(OmegaConf.to_container(algo) if isinstance(algo, DictConfig) else algo))
     spec_env = make_env(env, num_envs, seed=0)
     try:
-        return recipe.Agent(algo, spec_env)
+        return recipe.Agent(config_of(recipe, algo), spec_env)
     finally:
         spec_env.close()
