@@ -225,6 +225,15 @@ def test_an_update_that_breaks_a_rule_is_refused_in_one_line_naming_it(name):
     assert f"error: {refused.value}" == refusal(name)
 
 
+def test_a_recipe_whose_update_raises_is_refused_in_one_line_naming_the_error():
+    raising = LINEAR_Q.replace('batch["next", "reward"].squeeze(-1)', 'batch["next", "rewards"].squeeze(-1)')
+    with pytest.raises(recipes.RecipeError) as refused:
+        recipes.check_update("raising", module_of(raising), {}, CARTPOLES, seed=0)
+    line = str(refused.value)
+    assert line.startswith("recipe raising: its first update raised KeyError: ") and "\n" not in line
+    assert line.endswith("see docs/adding-a-recipe.md)")
+
+
 @pytest.fixture(scope="module")
 def mistakes_project(tmp_path_factory):
     """A copy of the project with each mistake as a recipe file of its own."""

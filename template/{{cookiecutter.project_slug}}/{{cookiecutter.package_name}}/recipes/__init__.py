@@ -34,7 +34,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -146,9 +148,31 @@ def check(name: str, module: ModuleType) -> None:
 
 def check_update(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int) -> None:
     """Raise RecipeError naming the first rule that one update of ``recipe`` breaks, before
-    a run trains: a fresh Agent's ``forward``, backward and ``optimizer_step`` at update 1
-    on a few transitions it collected (``first_batch``). The run's own agent is built
-    apart, from its seed, and torch's random state is left as it was."""
+    a run trains (``update_once``); or, where the recipe's own code raises, the error and
+    the line of the recipe it came from, in one line as well."""
+    try:
+        update_once(name, recipe, algo, env, seed)
+    except RecipeError:
+        raise
+    except Exception as error:
+        here = Path(__file__)
+        in_recipe = [
+            frame
+            for frame in traceback.extract_tb(error.__traceback__)
+            if Path(frame.filename).parent == here.parent and Path(frame.filename) != here
+        ]
+        where = f"{Path(in_recipe[-1].filename).name}, line {in_recipe[-1].lineno}; " if in_recipe else ""
+        message = (str(error).splitlines() or [""])[0]
+        raise RecipeError(
+            f"recipe {name}: its first update raised {type(error).__name__}: {message} ({where}see {GUIDE})"
+        ) from error
+
+
+def update_once(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int) -> None:
+    """A fresh Agent's ``forward``, backward and ``optimizer_step`` at update 1 on a few
+    transitions it collected (``first_batch``), each checked against the contract. The
+    run's own agent is built apart, from its seed, and torch's random state is left as it
+    was."""
 
     def broken(what: str) -> RecipeError:
         return RecipeError(f"recipe {name}: {what} (see {GUIDE})")
