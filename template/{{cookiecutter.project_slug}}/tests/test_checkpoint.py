@@ -301,6 +301,17 @@ def test_a_run_dir_holds_one_run_and_refuses_another_configuration_in_one_line(t
         checkpoint.check_run_dir(cfg, checkpoint.check_resume(cfg))
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_longer_run_is_the_same_run_though_its_schedules_follow_total_frames(tmp_path, recipe):
+    """Hyperparameters whose defaults follow total_frames (learning-rate decay, say) change
+    with it when a resume extends a run; another seed is another run."""
+    overrides = [f"recipe={recipe}", f"run_dir={tmp_path}"]
+    OmegaConf.save(config.load([*overrides, "total_frames=1024"], train.DEFAULTS), tmp_path / "config.yaml")
+    assert checkpoint.other_run(config.load([*overrides, "total_frames=4096"], train.DEFAULTS)) == []
+    other_seed = config.load([*overrides, "total_frames=1024", "seed=5"], train.DEFAULTS)
+    assert checkpoint.other_run(other_seed) == ["seed 0 -> 5"]
+
+
 @pytest.mark.slow
 def test_a_default_run_stopped_by_ctrl_c_goes_on_with_resume_auto_from_the_frame_it_stopped_at(tmp_path):
     """checkpoint.every at its default (none): the stop writes the checkpoint. Under `fabric

@@ -311,9 +311,22 @@ def other_run(cfg: DictConfig) -> list[str]:
     before, now = same_run_keys(saved), same_run_keys(cfg)
     return [
         f"{key} {before.get(key, '(none)')} -> {now.get(key, '(none)')}"
-        for key in sorted(before.keys() | now.keys())
+        for key in sorted((before.keys() | now.keys()) - following(cfg.recipe))
         if before.get(key) != now.get(key)
     ]
+
+
+def following(name: str) -> set[str]:
+    """The ``algo`` keys whose recipe defaults follow another key (``"${total_frames}"``):
+    they change with it, as when a resume extends a run."""
+    recipe = recipes.load(name)
+    layers = [recipe.RUN_DEFAULTS, *getattr(recipe, "FAMILY_DEFAULTS", {}).values()]
+    return {
+        f"algo.{key}"
+        for layer in layers
+        for key, value in layer.get("algo", {}).items()
+        if isinstance(value, str) and "${" in value
+    }
 
 
 def same_run_keys(cfg: DictConfig) -> dict[str, Any]:
