@@ -85,4 +85,5 @@ def test_target_critics_follow_the_critics_by_polyak_averaging():
 def test_sac_on_mujoco_on_two_learners_trains_on_float32(tmp_path):
     summary, batch = family_run(tmp_path, "sac", "Hopper-v5", "algo.hidden_sizes=[32,32]")
     assert batch["observation"].dtype == torch.float32 and batch["observation"].shape == (4, 11)
-    assert OmegaConf.load(tmp_path / "config.yaml").algo.lr == 3e-4  # SAC's MuJoCo settings
+    resolved = OmegaConf.load(tmp_path / "config.yaml")
+    assert resolved.algo.lr == 3e-4 and resolved.replay.alpha == 0.0  # SAC's MuJoCo settings: uniform replay
