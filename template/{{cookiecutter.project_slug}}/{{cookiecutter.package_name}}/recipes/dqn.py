@@ -9,7 +9,7 @@ The loss is written out below, as CleanRL's ``dqn.py`` writes it. torchrl's ``DQ
 computes the same loss, gradients and priorities through a functional copy of the Q
 network, which costs time on a CPU: on MinAtar Breakout, one thread, an update took 3.3
 ms with it and its ``HardUpdate``, and 2.0 ms as below, with fused Adam
-(docs/benchmarks.md, "One learner against the single-file scripts").
+(docs/benchmarks.md, "Replay recipes against the single-file scripts").
 """
 
 from __future__ import annotations

@@ -338,9 +338,9 @@ class Policy(TensorDictModuleBase):
 
     Written out rather than built from torchrl's ``ProbabilisticActor`` (behind a
     ``TensorDictSequential`` for the normalisation), which does the same: on one Hopper
-    that took 0.26 ms a step against 0.17 here, and with CleanRL's one env per learner
-    the collector calls the policy at every frame (docs/benchmarks.md, "PPO against
-    CleanRL's scripts: speed")."""
+    that took 0.26 ms a step against 0.17 here (one thread, this project's 2-core
+    machine), and with CleanRL's one env per learner the collector calls the policy at
+    every frame (docs/benchmarks.md, "PPO against CleanRL's scripts")."""
 
     def __init__(self, agent: Agent) -> None:
         super().__init__()

@@ -7,8 +7,8 @@ critics, the loss and the Polyak-averaged target critics.
 The loss is written out below, as CleanRL's ``sac_continuous_action.py`` writes it. torchrl's
 ``SACLoss`` computes the same losses and gradients through functional copies of the
 critics, which costs time on a CPU: on one thread, 256x256 networks and batch 256, an
-update took 11.7 ms with it and 8.5 ms as below, with fused Adam (docs/benchmarks.md, "One
-learner against the single-file scripts").
+update took 11.7 ms with it and 8.5 ms as below, with fused Adam (docs/benchmarks.md, "Replay
+recipes against the single-file scripts").
 """
 
 from __future__ import annotations

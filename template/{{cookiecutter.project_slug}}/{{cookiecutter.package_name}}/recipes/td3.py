@@ -11,8 +11,8 @@ The loss is written out below, as CleanRL writes it. torchrl's ``TD3Loss`` compu
 same losses and gradients through functional copies of the networks, which costs time on
 a CPU: on one thread, 256x256 networks and batch 256, an update took 9.7 ms with it and
 6.0 ms written out, with fused Adam; 5.4 ms (sampling included) with the actor's loss left
-out where the actor does not learn (docs/benchmarks.md, "One learner against the
-single-file scripts").
+out where the actor does not learn (docs/benchmarks.md, "Replay recipes against
+the single-file scripts").
 """
 
 from __future__ import annotations
