@@ -4,6 +4,8 @@
     python benchmarks/collection.py --env HalfCheetah-v5 --envs 8 --frames 80000  # needs .[mujoco]
     python benchmarks/collection.py --env ALE/Pong-v5 --envs 8 --frames 20000 --policies random,network
                                                     # needs .[atari]
+    python benchmarks/collection.py --env ALE/Breakout-v5 --envs 8 --frames 20000 --workers 1,2
+                                                    # the collector in 1 and in 2 worker processes
 
 All step ``--envs`` copies as one vector env and act with the same policy, in this one
 process with one torch thread (a learner's share of a 3-rank run on 2 cores). Each setup's
@@ -23,6 +25,11 @@ recipes); ``random``: uniformly random actions. Three ways to collect:
   the vector env ``--vectorization`` picks (``auto``: for Atari ale-py's vector env too);
 - torchrl Collector, default settings: the project's env with same-step autoreset through
   ``Collector`` with its defaults (trajectory ids), for reference.
+
+``--workers 1,2,4``: the project collector with ``collector.workers`` at each of these
+counts too (1: the collector above, in this process; K: K worker processes, each with
+``--envs / K`` copies and a policy made for as many, one torch thread each), and each
+count's frames/s over one process's.
 
 Prints a table and, last, a JSON line.
 """
@@ -130,7 +137,7 @@ def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: in
 
 
 def collector_rate(
-    kind: str, policy: TensorDictModuleBase | None, env: dict, num_envs: int, frames: int
+    kind: str, policy: TensorDictModuleBase | None, env: dict, num_envs: int, frames: int, workers: int = 1
 ) -> tuple[int, float]:
     """Frames and seconds of a collector, its first batch not counted."""
     frames_per_batch = BATCH_STEPS * num_envs
@@ -139,7 +146,7 @@ def collector_rate(
         cfg = OmegaConf.create(
             {
                 "env": {**env, "num_envs": num_envs},
-                "collector": {"frames_per_batch": frames_per_batch, "mode": "sync"},
+                "collector": {"frames_per_batch": frames_per_batch, "mode": "sync", "workers": workers},
             }
         )
         collector = make_collector(cfg, policy, seed=0, total_frames=total, device=torch.device("cpu"))
@@ -168,9 +175,13 @@ def main() -> None:
     parser.add_argument("--policies", default="network", help="comma-separated: network, random")
     parser.add_argument("--vectorization", default="auto", help="the collectors' env.vectorization")
     parser.add_argument("--rounds", type=int, default=3, help="turns each setup takes, on frames / rounds")
+    parser.add_argument("--workers", default="1", help="comma-separated collector.workers counts to measure")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    workers = sorted({int(count) for count in args.workers.split(",")} | {1})
+    if workers[0] < 1 or any(args.envs % count for count in workers):
+        parser.error(f"--workers must be counts >= 1 that divide --envs ({args.envs}), got {args.workers}")
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -188,20 +199,40 @@ def main() -> None:
             "project": functools.partial(collector_rate, "project", policy, env, args.envs, share),
             "torchrl": functools.partial(collector_rate, "torchrl", policy, env, args.envs, share),
         }
+        for count in workers[1:]:
+            # A worker steps envs / count copies: its policy is made for as many (the
+            # exploration module's spec has their shape), with the same weights.
+            worker_network, worker_policy = (
+                make_policy(args.env, args.envs // count) if kind == "network" else (None, None)
+            )
+            if network is not None:
+                worker_network.load_state_dict(network.state_dict())
+            setups[f"workers={count}"] = functools.partial(
+                collector_rate, "project", worker_policy, env, args.envs, share, count
+            )
         timed = {name: [0, 0.0] for name in setups}
         for _ in range(args.rounds):
             for name, measure in setups.items():
                 frames, seconds = measure()
                 timed[name][0] += frames
                 timed[name][1] += seconds
-        plain, project, torchrl = (frames / seconds for frames, seconds in timed.values())
-        for name, rate in (
+        rate = {name: frames / seconds for name, (frames, seconds) in timed.items()}
+        plain, project, torchrl = rate["plain"], rate["project"], rate["torchrl"]
+        rows = [
             ("plain loop", plain),
             ("project collector", project),
             ("torchrl Collector, default settings", torchrl),
-        ):
-            print(f"{kind:<8} {name:<36} {rate:>10.0f} {rate / plain:>9.2f}")
+        ]
+        rows += [(f"project collector, {count} workers", rate[f"workers={count}"]) for count in workers[1:]]
+        for name, value in rows:
+            print(f"{kind:<8} {name:<36} {value:>10.0f} {value / plain:>9.2f}")
         rates = {"plain_fps": plain, "collector_fps": project, "torchrl_collector_fps": torchrl}
+        if len(workers) > 1:
+            by_count = {count: rate[f"workers={count}"] if count > 1 else project for count in workers}
+            rates["workers_fps"] = by_count
+            rates["workers_speedup"] = {count: value / project for count, value in by_count.items()}
+            for count in workers[1:]:
+                print(f"{kind:<8} {count} workers against 1 process: {by_count[count] / project:.2f}")
         # The first policy's figures at the top level (the table's first block), each by name.
         result.setdefault("ratio", project / plain)
         for key, value in rates.items():

@@ -19,12 +19,14 @@ IGNORED = {"recipe", "total_frames", "eval.every", "collector.sync_frac"}
 
 
 def test_collection_benchmark_prints_a_table_and_a_json_line():
-    result = run_command([sys.executable, "benchmarks/collection.py", "--envs", "4", "--frames", "2048"])
+    command = [sys.executable, "benchmarks/collection.py", "--envs", "4", "--frames", "2048", "--workers", "2"]
+    result = run_command(command)
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["benchmark"] == "collection"
     assert figures["plain_fps"] > 0 and figures["collector_fps"] > 0 and figures["torchrl_collector_fps"] > 0
-    assert "project collector" in result.stdout
+    assert figures["workers_speedup"]["1"] == 1 and figures["workers_speedup"]["2"] > 0
+    assert "project collector, 2 workers" in result.stdout
 
 
 def test_learning_benchmark_wants_a_target_for_another_env():

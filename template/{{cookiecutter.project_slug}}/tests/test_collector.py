@@ -19,11 +19,11 @@ from {{ cookiecutter.package_name }}.collector import (
 )
 
 
-def collector_config(mode: str, num_envs: int = 4, frames_per_batch: int = 200):
+def collector_config(mode: str, num_envs: int = 4, frames_per_batch: int = 200, workers: int = 1):
     return OmegaConf.create(
         {
             "env": {"id": "CartPole-v1", "num_envs": num_envs},
-            "collector": {"frames_per_batch": frames_per_batch, "mode": mode},
+            "collector": {"frames_per_batch": frames_per_batch, "mode": mode, "workers": workers},
         }
     )
 
@@ -118,6 +118,41 @@ def test_async_collector_acts_with_the_weights_pushed_to_it():
         assert (batch["action"].argmax(-1) == 1).all() and (batch[POLICY_VERSION][:, 1:] == 1).all()
         batch = next(batches)
         assert (batch[POLICY_VERSION] == 1).all() and (batch["action"].argmax(-1) == 1).all()
+    finally:
+        collector.shutdown()
+
+
+def test_collector_workers_step_the_one_process_copies_with_the_weights_pushed_to_them():
+    """collector.workers=2: each worker steps half the copies, seeded as one process seeds
+    them, so a batch is the one process's batch; the workers act with a copy of the policy
+    that takes the weights pushed to it, and stop at the frames asked for."""
+    cpu = torch.device("cpu")
+    single = make_collector(
+        collector_config("sync"),
+        TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"]),
+        seed=7,
+        total_frames=200,
+        device=cpu,
+    )
+    expected = next(iter(single))
+    single.shutdown()
+    module = PushRight()
+    learners_policy = TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
+    workers_policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("sync", workers=2), workers_policy, seed=7, total_frames=800, device=cpu
+    )
+    try:
+        batches = iter(collector)
+        first = next(batches)
+        assert first.batch_size == torch.Size([4, 50])
+        for key in ("observation", ("next", "observation"), "action", ("next", "episode_reward")):
+            assert torch.equal(first[key], expected[key]), key
+        with torch.no_grad():
+            module.weight.fill_(1.0)
+        collector.update_policy_weights_(learners_policy)
+        assert all((batch["action"].argmax(-1) == 1).all() for batch in batches)
+        assert collector.ended() is None
     finally:
         collector.shutdown()
 

@@ -94,7 +94,7 @@ def parent_of(pid: int) -> int:
 
 
 def collector_processes(pid: int) -> list[int]:
-    """The async collector processes that process ``pid`` started."""
+    """The collector processes (async, or workers) that process ``pid`` started."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -186,6 +186,29 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     # One line says it all: no rank prints a traceback (the launcher prints its own).
     assert '/learner.py", line' not in stderr, stderr[-3000:]
     assert processes_of(run_dir) == {} and not alive(collector), "nothing may outlive the run"
+
+
+@pytest.mark.slow
+def test_a_collector_worker_that_dies_stops_the_run_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [*LONG_RUN, "collector.workers=2", f"run_dir={run_dir}"]
+    process = start(fabric_command(DEVICES, "train.py", *overrides), run_dir)
+    learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 1)
+    workers = sorted(collector_processes(learner))  # started in order: worker 0, then 1
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+
+    code, stderr, seconds = finish(process, timeout=90)
+    assert code != 0 and seconds < 60
+    reason = "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
+    reason += "CartPole-v1, died (worker 1 of 2: killed by SIGKILL)"
+    for rank in LEARNERS:
+        lines = [
+            line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ") and "stopping:" in line
+        ]
+        assert lines and reason in lines[0], stderr[-3000:]
+    assert '/learner.py", line' not in stderr, stderr[-3000:]
+    assert processes_of(run_dir) == {} and not any(alive(pid) for pid in workers), "nothing may outlive the run"
 
 
 @pytest.mark.slow

@@ -112,9 +112,13 @@ def test_a_slow_learner_is_cut_short_the_frames_add_up_and_the_run_resumes(tmp_p
     last = checkpoint.latest(tmp_path)
     saved = checkpoint.Meta.read(last).frames
     assert 1024 <= saved < 1536 + 3 * 256
-    summary = read_summary(run_command(straggler_run("total_frames=3072", *first, f"resume={tmp_path}")))
+    # Resumed with two collector processes per learner (collector.workers=2): the threshold
+    # cuts their rollouts as it cuts one process's.
+    resumed = ["total_frames=3072", *first, "collector.workers=2", f"resume={tmp_path}"]
+    summary = read_summary(run_command(straggler_run(*resumed)))
     assert summary["resumed_from"] == str(last)
     # The frames counted on from the checkpoint's exact count, each learner's own this time.
+    assert summary["learner_rollouts"][str(SLOW_RANK)]["cut"] > 0
     rollouts = summary["learner_rollouts"].values()
     assert summary["frames_collected"] == saved + sum(row["frames"] for row in rollouts) >= 3072
     assert last_step(tmp_path) == summary["frames_collected"]

@@ -7,6 +7,12 @@ in a child process with its own copy of the policy, which the learner refreshes 
 ``collector.weight_sync_every`` updates; it collects the next batch while the learner
 trains on the current one, and waits for the learner to take that batch before it starts
 another (see ``learner.off_policy``).
+
+``collector.workers=K`` (sync mode): torchrl's ``MultiSyncCollector`` steps the learner's
+env copies in K processes, ``env.num_envs / K`` copies each, seeded as the one process
+would seed them; each batch is the workers' slices joined along the copies, so it is the
+same ``[num_envs, steps]`` batch, stepped on K cores. The workers act with a CPU copy of
+the policy in shared memory, which the learner refreshes before each batch.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from torchrl.collectors import AsyncCollector, Collector
+from torchrl.collectors import AsyncCollector, Collector, MultiSyncCollector
+from torchrl.envs import EnvBase
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
 from .config import COLLECT_ASYNC
@@ -41,7 +48,7 @@ def make_collector(
     device: torch.device,
     frames_per_batch: int | None = None,
     random_frames: int = 0,
-) -> Collector | CollectorProcess:
+) -> Collector | CollectorProcess | CollectorWorkers:
     """The collector of ``cfg.collector.mode`` for one learner: batches of
     ``frames_per_batch`` frames (by default ``collector.frames_per_batch``) shaped
     ``[num_envs, steps]`` (time last), on the CPU; ``total_frames=-1``: endless. The first
@@ -59,9 +66,11 @@ def make_collector(
     """
     # An async collector's process acts with a CPU copy of the policy. A policy on a GPU
     # takes the env's CPU tensors to its device, and the batches come back to the CPU.
-    on_cpu = cfg.collector.mode == COLLECT_ASYNC or device.type == "cpu"
+    workers = cfg.collector.workers
+    on_cpu = cfg.collector.mode == COLLECT_ASYNC or workers > 1 or device.type == "cpu"
     env_device = None if on_cpu else "cpu"
-    make = functools.partial(make_env, OmegaConf.to_container(cfg.env), cfg.env.num_envs, seed, env_device)
+    env = OmegaConf.to_container(cfg.env)
+    make = functools.partial(make_env, env, cfg.env.num_envs, seed, env_device)
     frames_per_batch = frames_per_batch or cfg.collector.frames_per_batch
     settings = {
         "frames_per_batch": frames_per_batch,
@@ -71,6 +80,25 @@ def make_collector(
         "env_device": env_device,
         "postproc": TrainingBatches(cfg.env.get("clip_rewards", False), cfg.env.get("life_loss", False)),
     }
+    if workers > 1:
+        # Worker i steps copies i * copies .. (i + 1) * copies - 1 of the one-process env,
+        # with their seeds: a gymnasium vector env seeds its copies seed, seed + 1, ...
+        copies = cfg.env.num_envs // workers
+        makes = [
+            functools.partial(worker_env, env, copies, seed + worker * copies, env_device)
+            for worker in range(workers)
+        ]
+        with signals_ignored(*STOP_SIGNALS):  # as the async collector's child, below
+            return CollectorWorkers(
+                makes,
+                copy.deepcopy(policy).cpu(),
+                # Along the copies: [num_envs, steps], as one process's batch.
+                cat_results=0,
+                use_buffers=True,  # joining the slices (cat_results) needs them
+                # torchrl would otherwise give the learner its threads less one per worker.
+                num_threads=torch.get_num_threads(),
+                **settings,
+            )
     if cfg.collector.mode == COLLECT_ASYNC:
         # The child acts with a CPU copy of the policy in shared memory: it never touches the
         # learner's GPU, and the learner decides when the copy changes (``update_policy_weights_``).
@@ -100,18 +128,28 @@ def make_collector(
     )
 
 
-class CollectorProcess(AsyncCollector):
-    """torchrl's ``AsyncCollector``, which also closes its weight-sync scheme when it shuts
-    down: torchrl 0.14.1 leaves that to the scheme's ``__del__``, which, run at interpreter
-    exit, starts a queue thread and hangs the exit."""
+def worker_env(env: dict, num_envs: int, seed: int, device: str | None) -> EnvBase:
+    """A collector worker's env copies, made in the worker, whose torch generator is seeded
+    as they are: a spawned process starts from torch's default seed, the same in every
+    worker, so their exploration (epsilon-greedy, sampled actions) would draw alike."""
+    torch.manual_seed(seed)
+    return make_env(env, num_envs, seed, device)
+
+
+class CollectorProcesses:
+    """What the learner needs of a torchrl collector that runs in child processes: it also
+    closes its weight-sync scheme when it shuts down (torchrl 0.14.1 leaves that to the
+    scheme's ``__del__``, which, run at interpreter exit, starts a queue thread and hangs
+    the exit), and it says how a child that ended did."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.weight_sync = SharedMemWeightSyncScheme()  # torchrl's default for this collector
         try:
             super().__init__(*args, weight_sync_schemes={"policy": self.weight_sync}, **kwargs)
-        except Exception:
+        except (RuntimeError, EOFError, OSError):
             # torchrl reports a child that died while starting as a RuntimeError of its own
-            # ("failed to initialize"): say how it died instead, if it did.
+            # ("failed to initialize") or its pipe's end: say how it died instead, if it
+            # did. A child's own exception (its env's, its policy's) comes as itself.
             status = self.ended(wait_s=2.0)
             if status is None:
                 raise
@@ -122,9 +160,10 @@ class CollectorProcess(AsyncCollector):
         self.weight_sync.shutdown()
 
     def ended(self, wait_s: float = 0.0) -> str | None:
-        """How the child process ended, in words; None while it runs (after waiting up to
-        ``wait_s`` for it to end)."""
-        for process in getattr(self, "procs", []):  # none yet if it failed before starting one
+        """How a child process ended, in words; None while they run (after waiting up to
+        ``wait_s`` for one to end)."""
+        processes = getattr(self, "procs", [])  # none yet if it failed before starting one
+        for index, process in enumerate(processes):
             try:
                 if wait_s:
                     process.join(wait_s)
@@ -132,12 +171,22 @@ class CollectorProcess(AsyncCollector):
             except ValueError:  # closed: torchrl closes the survivors when a worker fails
                 continue
             if code is not None:
-                return exit_status(code)
+                worker = f"worker {index} of {len(processes)}: " if len(processes) > 1 else ""
+                return worker + exit_status(code)
         return None
 
 
+class CollectorProcess(CollectorProcesses, AsyncCollector):
+    """torchrl's ``AsyncCollector``: one child process collects while the learner trains."""
+
+
+class CollectorWorkers(CollectorProcesses, MultiSyncCollector):
+    """torchrl's ``MultiSyncCollector``: ``collector.workers`` child processes collect a
+    batch together while the learner waits."""
+
+
 class ProcessDied(Exception):
-    """The collector's process died while it started; the message says how."""
+    """A collector's process died while it started; the message says how."""
 
 
 class CollectorFailed(RankFailure):
@@ -164,7 +213,7 @@ def collecting(env_id: str) -> Iterator[None]:
 
 
 def next_batch(
-    collector: Collector | CollectorProcess, batches: Iterator[TensorDictBase], owner: str, env_id: str
+    collector: Collector | CollectorProcesses, batches: Iterator[TensorDictBase], owner: str, env_id: str
 ) -> TensorDictBase:
     """The next batch from ``batches``, ``collector``'s iterator, of ``env_id``'s copies. A
     dead collector process is reported as one, naming ``owner``; an error in this process
@@ -184,11 +233,11 @@ def next_batch(
 
 
 def death(
-    collector: Collector | CollectorProcess, owner: str, env_id: str, wait_s: float = 0.0
+    collector: Collector | CollectorProcesses, owner: str, env_id: str, wait_s: float = 0.0
 ) -> str | None:
     """How ``collector``'s process died, in words naming ``owner`` and ``env_id``; None
     while it runs (``wait_s`` seconds after the call), or for a collector in this process."""
-    ended = collector.ended(wait_s) if isinstance(collector, CollectorProcess) else None
+    ended = collector.ended(wait_s) if isinstance(collector, CollectorProcesses) else None
     return None if ended is None else died(owner, env_id, ended)
 
 

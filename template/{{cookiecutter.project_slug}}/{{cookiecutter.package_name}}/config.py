@@ -66,6 +66,7 @@ class EnvConfig:
 class CollectorConfig:
     frames_per_batch: int = MISSING
     mode: str = MISSING
+    workers: int = MISSING
     weight_sync_every: int = MISSING
     policy_device: str = MISSING
     timeout: float = MISSING
@@ -252,6 +253,18 @@ def validate(cfg: DictConfig) -> None:
             f"collector.mode=async is for replay recipes; '{cfg.recipe}' trains on what it just "
             "collected, so it collects in sync mode"
         )
+    workers = cfg.collector.workers
+    if workers < 1:
+        raise ConfigError(f"collector.workers must be >= 1, got {workers}")
+    if workers > 1 and cfg.env.num_envs % workers:
+        raise ConfigError(
+            f"env.num_envs ({cfg.env.num_envs}) must be a multiple of collector.workers ({workers}): "
+            "each worker steps as many env copies"
+        )
+    if workers > 1 and cfg.collector.mode == COLLECT_ASYNC:
+        raise ConfigError(
+            "collector.workers > 1 is for collector.mode=sync; in async mode one process collects"
+        )
     if cfg.collector.policy_device not in (POLICY_ON_LEARNER, POLICY_ON_CPU, POLICY_AUTO):
         raise ConfigError(
             f"collector.policy_device must be {POLICY_ON_LEARNER}, {POLICY_ON_CPU} or {POLICY_AUTO}, "
@@ -343,8 +356,8 @@ def acts_on_cpu(cfg: DictConfig, device: torch.device) -> bool:
     costs less than the GPU's kernel launches and copies at every env step; over Atari
     frames the convolutions cost less on the GPU (docs/benchmarks.md, "Where the collector's
     policy acts")."""
-    if cfg.collector.mode == COLLECT_ASYNC:
-        return False  # an async collector's process acts with a CPU copy of its own
+    if cfg.collector.mode == COLLECT_ASYNC or cfg.collector.workers > 1:
+        return False  # a collector's processes act with a CPU copy of their own
     if cfg.collector.policy_device == POLICY_AUTO:
         return device.type != "cpu" and envs.family_of(cfg.env.id) != envs.ATARI
     return cfg.collector.policy_device == POLICY_ON_CPU

@@ -222,6 +222,12 @@ class Learner:
         if config.acts_on_cpu(cfg, run.device):
             self.acting = policy = copy.deepcopy(self.agent.policy).cpu()
             device = torch.device("cpu")
+        if cfg.collector.workers > 1:
+            # A worker steps env.num_envs / workers copies: its policy is made for as many
+            # (an exploration module's spec has the copies' shape), on the CPU.
+            copies = cfg.env.num_envs // cfg.collector.workers
+            policy = recipes.make_agent(run.recipe, self.algo, cfg.env, copies).policy
+            policy.load_state_dict(self.agent.policy.state_dict())
         # Starting an async collector's process imports torch anew: allow it more time. A
         # collector resets its envs as it starts: an env's error there is collecting's too.
         with self.collector_deadline(startup=True), collecting(cfg.env.id):
@@ -265,20 +271,23 @@ class Learner:
         episodes (environments cannot be saved mid-episode), seeded by the frames so far."""
         return self.cfg.seed + 1000 * self.index + self.frames
 
-    @timed("collect")
     def collect(self) -> TensorDictBase:
         """This learner's next batch ``[env copies, steps]`` (time last): the collector's
         next, or under the straggler threshold a rollout that may be cut short. A collector
         that gives nothing for ``collector.timeout`` seconds stops the run."""
-        if self.acting is not None:  # the CPU copy the collector acts with takes the latest weights
-            self.acting.load_state_dict(self.agent.policy.state_dict())
-        with self.collector_deadline():
-            if self.stragglers is None:
-                return next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
-            # A store that stops answering in rollout is rank 0's death: the watchdog names it.
-            return self.stragglers.rollout(
-                lambda: next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
-            )
+        if self.cfg.collector.workers > 1:  # the worker processes' shared copy takes the latest weights
+            with phase("weight_sync"), self.collector_deadline():
+                self.collector.update_policy_weights_(self.agent.policy)
+        with phase("collect"):
+            if self.acting is not None:  # the CPU copy the collector acts with takes the latest weights
+                self.acting.load_state_dict(self.agent.policy.state_dict())
+            with self.collector_deadline():
+                if self.stragglers is None:
+                    return next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
+                # A store that stops answering in rollout is rank 0's death: the watchdog names it.
+                return self.stragglers.rollout(
+                    lambda: next_batch(self.collector, self.batches, self.label, self.cfg.env.id)
+                )
 
     @timed("agree")
     def stop_agreed(self) -> bool:
