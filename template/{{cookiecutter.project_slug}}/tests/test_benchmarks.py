@@ -19,8 +19,8 @@ IGNORED = {"recipe", "total_frames", "eval.every", "collector.sync_frac"}
 
 
 def test_collection_benchmark_prints_a_table_and_a_json_line():
-    command = [sys.executable, "benchmarks/collection.py", "--envs", "4", "--frames", "2048", "--workers", "2"]
-    result = run_command(command)
+    command = ["benchmarks/collection.py", "--envs", "4", "--frames", "2048", "--workers", "2"]
+    result = run_command([sys.executable, *command])
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["benchmark"] == "collection"

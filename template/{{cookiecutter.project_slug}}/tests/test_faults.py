@@ -208,7 +208,8 @@ def test_a_collector_worker_that_dies_stops_the_run_naming_it(tmp_path):
         ]
         assert lines and reason in lines[0], stderr[-3000:]
     assert '/learner.py", line' not in stderr, stderr[-3000:]
-    assert processes_of(run_dir) == {} and not any(alive(pid) for pid in workers), "nothing may outlive the run"
+    assert processes_of(run_dir) == {}, "no rank may outlive the run"
+    assert not any(alive(pid) for pid in workers), "no worker may outlive the run"
 
 
 @pytest.mark.slow

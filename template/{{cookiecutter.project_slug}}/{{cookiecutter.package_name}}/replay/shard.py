@@ -76,8 +76,9 @@ class ReplayShard:
         else:
             # Priorities to the power 0 are all 1: the sum tree would draw uniformly, at a
             # price (TD3 on Hopper: 0.37 + 0.35 ms an update for sampling and sending the
-            # priorities back, docs/benchmarks.md, "TD3 over 100,000 steps"). torchrl's RandomSampler draws alike with no tree to keep,
-            # and the learners send no priorities (ReplayClient's ``prioritized``).
+            # priorities back, docs/benchmarks.md, "TD3 over 100,000 steps"). torchrl's
+            # RandomSampler draws alike with no tree to keep, and the learners send no
+            # priorities (ReplayClient's ``prioritized``).
             self.buffer = TensorDictReplayBuffer(storage=transitions, sampler=RandomSampler())
         # Created for stacked pixel observations, at their first write (see extend_frames).
         # As many frames as transitions: a frame per step, plus a reset stack per episode,
