@@ -56,9 +56,12 @@ MODES = {
 }
 
 
-def train(args: argparse.Namespace, recipe: str, mode: str, extra: tuple[str, ...] = ()) -> dict:
-    """One run of ``recipe`` in ``mode`` (and ``extra`` overrides): its figures, from summary.json."""
-    run_dir = PROJECT / "runs" / "benchmarks" / f"speed-{recipe}-{mode}"
+def train(
+    args: argparse.Namespace, recipe: str, mode: str, extra: tuple[str, ...] = (), run_name: str | None = None
+) -> dict:
+    """One run of ``recipe`` in ``mode`` (and ``extra`` overrides) in runs/benchmarks/``run_name``
+    (by default speed-<recipe>-<mode>): its figures, from summary.json."""
+    run_dir = PROJECT / "runs" / "benchmarks" / (run_name or f"speed-{recipe}-{mode}")
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     command = [
         sys.executable,
@@ -82,11 +85,15 @@ def train(args: argparse.Namespace, recipe: str, mode: str, extra: tuple[str, ..
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(command[1:])} failed:\n{result.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    frames_per_batch = OmegaConf.load(run_dir / "config.yaml").collector.frames_per_batch
-    steps = summary["frames_collected"] / frames_per_batch
+    # Each learner's collector steps, over which summary.json averages its phases (with
+    # several learners frames_collected counts all of theirs).
+    rollouts = [learner["rollouts"] for learner in summary["learner_rollouts"].values()]
+    steps = sum(rollouts) / len(rollouts)
     update_s = sum(summary["phase_ms_per_step"].get(name, 0.0) for name in UPDATE_PHASES) * steps / 1000
     return {
-        "env": WORKLOADS.get(recipe, "CartPole-v1"),
+        "env": OmegaConf.load(run_dir / "config.yaml").env.id,  # the workload's, unless overridden
+        "frames": summary["frames_collected"],
+        "steps": steps,
         "train_s": summary["train_s"],
         "frames_per_s": summary["frames_per_s"],
         "updates_per_s": summary["updates_per_s"],

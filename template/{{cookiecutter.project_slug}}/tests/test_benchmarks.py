@@ -12,7 +12,7 @@ import torch
 from {{ cookiecutter.package_name }} import recipes
 from {{ cookiecutter.package_name }}.envs import family_of, make_env
 
-from .conftest import RECIPES, free_port, run_command, tiny_overrides
+from .conftest import RECIPES, fabric_launcher_env, free_port, run_command, tiny_overrides
 
 # Settings the stragglers benchmark chooses itself.
 IGNORED = {"recipe", "total_frames", "eval.every", "collector.sync_frac"}
@@ -95,6 +95,48 @@ def test_end_to_end_benchmark_compares_the_two_collector_modes(tiny):
     one_process = figures["1_learners"]
     assert one_process["sync_train_s"] > 0 and one_process["async_train_s"] > 0
     assert one_process["async_updates_per_s"] > 0 and one_process["policy_lag"] > 0
+
+
+@pytest.mark.slow
+def test_scaling_benchmark_runs_one_and_two_learners_and_draws_them(tmp_path):
+    # The first recipe on CartPole with tiny settings: 2 collector steps per learner, the
+    # second with updates; the learner counts, the learning start and the frames are the
+    # benchmark's own.
+    recipe = RECIPES[0]
+    ignored = {"recipe", "total_frames", "eval.every", "eval.episodes", "threads", "algo.learning_starts"}
+    overrides = [item for item in tiny_overrides(recipe) if item.split("=")[0] not in ignored]
+    figure = tmp_path / "scaling.png"
+    command = [sys.executable, "benchmarks/scaling.py", "--recipes", recipe, "--learners", "1", "2"]
+    command += ["--frames", "512", "--learning-starts", "256", "--out", str(figure), "env.id=CartPole-v1"]
+    result = run_command([*command, *overrides], env=fabric_launcher_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["benchmark"] == "scaling" and figures["axis"] == "learners" and figures["counts"] == [1, 2]
+    runs = figures["recipes"][recipe]
+    assert set(runs) == {"1", "2"}
+    for learners, run in runs.items():
+        assert run["env"] == "CartPole-v1" and run["frames"] == 512 * int(learners)
+        assert run["frames_per_s"] > 0 and run["updates_per_s"] > 0 and run["updates"] > 0
+        # Every millisecond of a step is in one column, "other" the untimed rest.
+        groups = run["phase_groups_ms_per_step"]
+        assert set(groups) == {"collect", "update", "replay", "agree", "other"}
+        assert groups["collect"] > 0 and groups["update"] > 0 and groups["other"] >= 0
+        assert sum(groups.values()) == pytest.approx(run["step_ms"])
+    assert runs["1"]["efficiency"] == 1.0
+    two = runs["2"]
+    assert two["efficiency"] == pytest.approx(two["frames_per_s"] / (2 * runs["1"]["frames_per_s"]))
+    # The table: a header and one row per run, above the figure's line and the JSON line.
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split()[:3] == ["recipe", "env", "learners"]
+    assert [line.split()[:3] for line in lines[1:3]] == [[recipe, "CartPole-v1", str(n)] for n in (1, 2)]
+    assert lines[3] == f"figure: {figure}"
+    assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size > 10_000
+
+
+def test_the_scaling_benchmark_refuses_a_count_of_no_learners():
+    result = run_command([sys.executable, "benchmarks/scaling.py", "--learners", "0", "1"], timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1].endswith("--learners: counts must be at least 1, got 0")
 
 
 @pytest.mark.slow
