@@ -14,13 +14,13 @@ with ``--workers``, one learner on ``--accelerator`` with the override
 learners make one learner's updates per frame, so the frames/s compare at the same
 learning per frame.
 
-``--frames`` is per learner (by default the recipe's ``FRAMES``, about 10 s of training
-on one core), and so are ``--learning-starts`` (the frames before a replay recipe's first
-update): every learner of every run then collects the same steps, the same share of them
-before updates begin, whatever N. With a fixed total, 8 learners would each make an eighth
-of the steps, their first steps (DDP's first all-reduce, replay's first requests) weighing
-8 times as much, and a replay recipe's update-free start would be the same frames over 8
-learners: a speed-up from the measurement, not the run.
+``--frames`` is per learner (by default the recipe's ``FRAMES``), and so is
+``--learning-starts`` (a replay recipe's frames before its first update): every learner of
+every run collects the same steps, the same share of them before updates begin, and each
+rate is measured over as many steps whatever N. With a fixed total, 8 learners would each
+make an eighth of the steps, their first ones (DDP's first all-reduce, replay's first
+requests) weighing 8 times as much. The price: a run that scales badly takes longer than
+one learner's.
 
 The rates are summary.json's: frames and updates over the training time, which starts
 once the learner's collector has started (process start-up, imports, rendezvous and the
@@ -51,22 +51,25 @@ import speed
 
 from {{ cookiecutter.package_name }} import plots, recipes
 
-# Frames per learner and run by default: about 10 s of training at one learner's frames/s
-# on one core (docs/benchmarks.md, "Compile on the CPU"), whole collector steps, the same
-# at every N. PPO's steps are 2,048 frames.
+# Frames per learner and run by default, in whole collector steps: 3 of PPO's 2,048-frame
+# rollouts; 24 and 8 steps with updates after the learning start for DQN and SAC or TD3,
+# whose learners make N times the updates a step on N learners (learners.batch=run). Each
+# run also starts and stops its processes, which on a 16-core machine took 15 s beside
+# the training (one learner) to 55 s (4 learners and a replay process): small budgets keep
+# the table within minutes.
 {%- set recipes = cookiecutter.recipes.split(",") | map("trim") | list %}
 FRAMES = {
 {%- if "dqn" in recipes %}
-    "dqn": 4_096,
+    "dqn": 1_024,
 {%- endif %}
 {%- if "ppo" in recipes %}
-    "ppo": 8_192,
+    "ppo": 6_144,
 {%- endif %}
 {%- if "sac" in recipes %}
-    "sac": 1_024,
+    "sac": 768,
 {%- endif %}
 {%- if "td3" in recipes %}
-    "td3": 1_024,
+    "td3": 768,
 {%- endif %}
 }
 OTHER_FRAMES = 4_096  # a recipe added to the project, on CartPole
