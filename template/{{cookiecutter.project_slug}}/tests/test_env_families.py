@@ -1,5 +1,6 @@
-"""Env families: their preprocessing, raw scores beside what training sees, and the
-one-line error of a missing extra. The recipes' runs on each family are in their tests
+"""Env families: their preprocessing, raw scores beside what training sees, discrete
+observations as one-hot vectors, and the one-line errors of a missing extra and of an
+observation space no network takes. The recipes' runs on each family are in their tests
 (test_<recipe>.py)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from {{ cookiecutter.package_name }}.envs import TrainingBatches, make_env
 
-from .conftest import PROJECT, command_env
+from .conftest import PROJECT, RECIPES, command_env, read_summary, run_command, tiny_overrides
 
 
 @pytest.mark.slow
@@ -91,3 +92,41 @@ def test_a_missing_extra_is_one_error_line_naming_the_pip_command(tmp_path, modu
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == [f"error: env.id={env_id} needs {module}: pip install -e '.[{extra}]'"], result.stderr
+
+
+def test_discrete_observations_reach_the_networks_as_one_hot_vectors():
+    """FrozenLake's observation is the agent's cell, one of 16: the networks see a float32
+    vector with a 1 at that cell, in training and in evaluation's env alike."""
+    for training in (True, False):
+        env = make_env("FrozenLake-v1", 3, seed=0, training=training)
+        spec = env.observation_spec["observation"]
+        assert spec.dtype == torch.float32 and spec.shape == (3, 16)
+        rollout = env.rollout(30, break_when_any_done=False)
+        env.close()
+        observation = rollout["observation"]
+        assert observation.dtype == torch.float32
+        assert torch.equal(observation.sum(-1), torch.ones(rollout.shape))
+        assert set(observation.unique().tolist()) == {0.0, 1.0}
+        assert observation[:, 0].argmax(-1).tolist() == [0, 0, 0]  # every episode starts in cell 0
+
+
+DISCRETE_OBSERVATION_RECIPES = [recipe for recipe in RECIPES if recipe in ("dqn", "ppo")]
+
+
+@pytest.mark.parametrize("recipe", DISCRETE_OBSERVATION_RECIPES)
+def test_a_recipe_trains_and_evaluates_on_discrete_observations(tmp_path, recipe):
+    overrides = [*tiny_overrides(recipe), "env.id=FrozenLake-v1", "total_frames=1024", "eval.every=0"]
+    summary = read_summary(run_command([sys.executable, "train.py", *overrides, f"run_dir={tmp_path}"]))
+    assert summary["frames_collected"] == 1024 and summary["updates"] > 0
+    assert summary["eval_episodes"] >= 10 and 0 <= summary["eval_return"] <= 1
+
+
+def test_an_observation_space_no_network_takes_is_one_error_line():
+    """Blackjack's observation is a tuple of three discrete values."""
+    command = [sys.executable, "train.py", "env.id=Blackjack-v1"]
+    result = run_command(command, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: env.id=Blackjack-v1 has Tuple observations: the recipes take Box, Discrete, "
+        "MultiDiscrete or MultiBinary ones"
+    ], result.stderr

@@ -12,7 +12,13 @@ entry point) decides the standard treatment:
 - ``minatar`` (``MinAtar/Breakout-v1``, ...; extra ``[minatar]``): the ``10x10xC`` bool
   grid as ``uint8 (C, 10, 10)``, channels first as convolutions want them.
 - ``mujoco`` (``HalfCheetah-v5``, ...; extra ``[mujoco]``): float64 observations as float32.
+- ``popgym`` (``popgym-PositionOnlyCartPoleEasy-v0``, ...; extra ``[popgym]``): POPGym's
+  partially observed envs, as gymnasium makes them.
 - ``other``: anything else (classic control, your own envs), as gymnasium makes it.
+
+In every family, discrete observations (``Discrete``, ``MultiDiscrete``, ``MultiBinary``:
+FrozenLake's cell, Taxi's state, POPGym's cards) reach the networks as one-hot float32
+vectors; other spaces than these and ``Box`` are refused in one line.
 
 ``env.vectorization`` picks how one learner's ``env.num_envs`` copies are stepped:
 ``sync`` (one process, gymnasium's ``SyncVectorEnv``), ``async`` (a subprocess per copy,
@@ -45,16 +51,23 @@ from torchrl.envs import (
 )
 from torchrl.envs.libs.gym import default_info_dict_reader
 
-ATARI, MINATAR, MUJOCO, OTHER = "atari", "minatar", "mujoco", "other"
+ATARI, MINATAR, MUJOCO, POPGYM, OTHER = "atari", "minatar", "mujoco", "popgym", "other"
 SYNC, ASYNC, ALE, AUTO = "sync", "async", "ale", "auto"  # env.vectorization
 DISCRETE, CONTINUOUS = "discrete", "continuous"  # kinds of action spaces (a recipe's action_spaces)
 VECTORIZATIONS = (AUTO, SYNC, ASYNC, ALE)
 # The module a family needs, and the project's extra that installs it.
-NEEDS = {ATARI: ("ale_py", "atari"), MINATAR: ("minatar", "minatar"), MUJOCO: ("mujoco", "mujoco")}
-# Id namespaces registered only once their package is imported: a missing package then
-# shows as an unregistered id, and the namespace says which extra would register it.
-NAMESPACES = {"ALE": ATARI, "MinAtar": MINATAR}
-ENTRY_POINTS = {"ale_py": ATARI, "minatar": MINATAR, "gymnasium.envs.mujoco": MUJOCO}
+NEEDS = {
+    ATARI: ("ale_py", "atari"),
+    MINATAR: ("minatar", "minatar"),
+    MUJOCO: ("mujoco", "mujoco"),
+    POPGYM: ("popgym", "popgym"),
+}
+# Id prefixes registered only once their package is imported: a missing package then
+# shows as an unregistered id, and the prefix says which extra would register it.
+PREFIXES = {"ALE/": ATARI, "MinAtar/": MINATAR, "popgym-": POPGYM}
+ENTRY_POINTS = {"ale_py": ATARI, "minatar": MINATAR, "gymnasium.envs.mujoco": MUJOCO, "popgym": POPGYM}
+# The observation spaces that reach a network as one-hot vectors.
+DISCRETE_OBSERVATIONS = (gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
 # The DQN paper's preprocessing (Mnih et al. 2015, as in Machado et al. 2018 and CleanRL).
 FRAME_SKIP, FRAME_STACK, SCREEN_SIZE, NOOP_MAX = 4, 4, 84, 30
 LIVES = "lives"
@@ -69,7 +82,7 @@ def family_of(env_id: str) -> str:
     """The family of a registered env id; EnvUnavailable names the pip command when the
     family's package is missing."""
     name = registered_name(env_id)
-    family = NAMESPACES.get(name.split("/")[0]) if "/" in name else None
+    family = next((fam for prefix, fam in PREFIXES.items() if name.startswith(prefix)), None)
     if name not in gym.registry and family is not None:
         if not installed(NEEDS[family][0]):
             raise missing_extra(env_id, family)
@@ -111,9 +124,10 @@ def installed(module: str) -> bool:
 
 @functools.cache
 def register_envs(family: str) -> None:
-    """Register the ids of ``family``'s package: ale-py and minatar register theirs only
-    when asked (gymnasium 1.x loads no plugins by itself). One family at a time: importing
-    minatar takes seconds (it imports seaborn), which an Atari run need not pay."""
+    """Register the ids of ``family``'s package: ale-py, minatar and popgym register theirs
+    only when asked or imported (gymnasium 1.x loads no plugins by itself). One family at a
+    time: importing minatar takes seconds (it imports seaborn), which an Atari run need not
+    pay."""
     if family == ATARI:
         import ale_py
 
@@ -122,6 +136,10 @@ def register_envs(family: str) -> None:
         import minatar.gym
 
         minatar.gym.register_envs()
+    elif family == POPGYM:
+        import popgym
+
+        gym.register_envs(popgym)
 
 
 def actions_of(env: Mapping[str, Any]) -> tuple[str | None, str]:
@@ -219,7 +237,8 @@ def make_env(
             num_envs=num_envs,
             vectorization_mode=backend,
             vector_kwargs={"autoreset_mode": autoreset},
-            wrappers=[atari_preprocessing if family == ATARI else float32_observations],
+            wrappers=[atari_preprocessing if family == ATARI else network_observations]
+            + ([] if training else [WithoutInfo]),
             **(atari_single_settings(kwargs) if family == ATARI else kwargs),
         )
     if isinstance(vector_env.single_action_space, gym.spaces.Box):
@@ -244,6 +263,20 @@ class ClippedActions(gym.wrappers.vector.TransformAction):
     def __init__(self, env: gym.vector.VectorEnv) -> None:
         super().__init__(env, clip_to(env.action_space), env.action_space, env.single_action_space)
         self.autoreset_mode = env.metadata["autoreset_mode"]
+
+
+class WithoutInfo(gym.Wrapper):
+    """An env whose resets and steps return no info, for evaluation, which reads none. In
+    same-step autoreset mode torchrl reads every info key, typed as the first value it
+    sees: FrozenLake's ``prob``, an int at a reset and a float at a step, broke rollouts."""
+
+    def reset(self, **kwargs) -> tuple[Any, dict]:
+        observation, _ = self.env.reset(**kwargs)
+        return observation, {}
+
+    def step(self, action) -> tuple[Any, Any, bool, bool, dict]:
+        observation, reward, terminated, truncated, _ = self.env.step(action)
+        return observation, reward, terminated, truncated, {}
 
 
 class MaskedResets(gym.vector.VectorWrapper):
@@ -286,14 +319,27 @@ def atari_vector_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**settings, **kwargs}
 
 
-def float32_observations(env: gym.Env) -> gym.Env:
-    """float64 observations (MuJoCo's) as float32, the networks' dtype; others as they are.
+def network_observations(env: gym.Env) -> gym.Env:
+    """Observations as the networks take them: discrete ones (``DISCRETE_OBSERVATIONS``) as
+    float32 one-hot vectors (gymnasium's ``FlattenObservation``; a ``MultiDiscrete``'s
+    one-hots side by side), float64 vectors (MuJoCo's) as float32, other ``Box``
+    observations as they are. EnvUnavailable names any other space.
+
     Cast in each env rather than by torchrl's ``DoubleToFloat`` transform: a step of one
     Hopper took 0.28 ms through torchrl against 0.31 with the transform (gymnasium's own
     step: 0.10 ms)."""
     space = env.observation_space
-    if not (isinstance(space, gym.spaces.Box) and space.dtype == np.float64):
+    if isinstance(space, DISCRETE_OBSERVATIONS):
+        env = gym.wrappers.FlattenObservation(env)  # one-hot, in the space's integer dtype
+    elif not isinstance(space, gym.spaces.Box):
+        name = env.spec.id if env.spec is not None else type(env.unwrapped).__name__
+        raise EnvUnavailable(
+            f"env.id={name} has {type(space).__name__} observations: the recipes take Box, "
+            f"Discrete, MultiDiscrete or MultiBinary ones"
+        )
+    elif space.dtype != np.float64:
         return env
+    space = env.observation_space
     # The bounds cast here: gymnasium's DtypeObservation warns that it lowers their precision.
     space = gym.spaces.Box(space.low.astype(np.float32), space.high.astype(np.float32), dtype=np.float32)
     return gym.wrappers.TransformObservation(env, functools.partial(np.asarray, dtype=np.float32), space)
@@ -398,7 +444,7 @@ def make_video_env(env: Mapping[str, Any], folder: str, seed: int) -> EnvBase:
     game = gym.make(env_id, render_mode="rgb_array", **kwargs)
     if isinstance(game.action_space, gym.spaces.Box):
         game = gym.wrappers.TransformAction(game, clip_to(game.action_space), game.action_space)
-    game = float32_observations(game)
+    game = network_observations(game)
     if family == MINATAR:
         game = MinAtarFrames(game)
     recorder = gym.wrappers.RecordVideo(
