@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -c "from torchrl.data import TensorDictPrioritizedReplayBuffer as B, LazyTensorStorage as S; B(alpha=0.6, beta=0.4, storage=S(8)); print('prioritized replay buffer: ok')"
-	$(BIN)/python -c "import ale_py, minatar, mujoco; print('env families atari, minatar, mujoco: ok')"
+	$(BIN)/python -c "import ale_py, minatar, mujoco, popgym; print('env families atari, minatar, mujoco, popgym: ok')"
 	touch $@
 
 # The generated project's [wandb] and [mlflow] extras, for its tracker tests, in a venv of

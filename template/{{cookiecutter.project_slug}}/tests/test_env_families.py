@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }}.envs import TrainingBatches, make_env
+from {{ cookiecutter.package_name }}.envs import POPGYM, TrainingBatches, family_of, make_env
 
 from .conftest import PROJECT, RECIPES, command_env, read_summary, run_command, tiny_overrides
 
@@ -81,6 +81,7 @@ sys.meta_path[sys.meta_path.index(PathFinder)] = WithoutPackage
         ("ale_py", "ALE/Pong-v5", "atari"),
         ("minatar", "MinAtar/Breakout-v1", "minatar"),
         ("mujoco", "Hopper-v5", "mujoco"),
+        ("popgym", "popgym-PositionOnlyCartPoleEasy-v0", "popgym"),
     ],
 )
 def test_a_missing_extra_is_one_error_line_naming_the_pip_command(tmp_path, module, env_id, extra):
@@ -130,3 +131,26 @@ def test_an_observation_space_no_network_takes_is_one_error_line():
         "error: env.id=Blackjack-v1 has Tuple observations: the recipes take Box, Discrete, "
         "MultiDiscrete or MultiBinary ones"
     ], result.stderr
+
+
+def test_popgym_ids_are_their_own_family_and_their_multi_discrete_observations_one_hot():
+    """POPGym registers its ids when imported; CountRecall shows two cards of two kinds
+    (``MultiDiscrete([2, 2])``): two one-hot pairs side by side."""
+    pytest.importorskip("popgym", reason="needs the [popgym] extra")
+    assert family_of("popgym-CountRecallEasy-v0") == POPGYM
+    env = make_env("popgym-CountRecallEasy-v0", 2, seed=0)
+    observation = env.rollout(20, break_when_any_done=False)["observation"]
+    env.close()
+    assert observation.dtype == torch.float32 and observation.shape == (2, 20, 4)
+    assert torch.equal(observation.unflatten(-1, (2, 2)).sum(-1), torch.ones(2, 20, 2))
+
+
+@pytest.mark.skipif("ppo" not in RECIPES, reason="this project has no ppo recipe")
+def test_ppo_trains_on_a_popgym_env_in_one_process(tmp_path):
+    """CartPole without its velocities: POPGym scales an episode's return to at most 1."""
+    pytest.importorskip("popgym", reason="needs the [popgym] extra")
+    overrides = [*tiny_overrides("ppo"), "env.id=popgym-PositionOnlyCartPoleEasy-v0", "total_frames=1024"]
+    overrides += ["eval.every=0", f"run_dir={tmp_path}"]
+    summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
+    assert summary["frames_collected"] == 1024 and summary["updates"] == 4 * 2 * 2
+    assert summary["eval_episodes"] >= 10 and 0 < summary["eval_return"] <= 1
