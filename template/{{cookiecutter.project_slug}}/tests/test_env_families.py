@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from {{ cookiecutter.package_name }} import evaluate
 from {{ cookiecutter.package_name }}.envs import POPGYM, TrainingBatches, family_of, make_env
 
 from .conftest import PROJECT, RECIPES, command_env, read_summary, run_command, tiny_overrides
@@ -146,11 +147,15 @@ def test_popgym_ids_are_their_own_family_and_their_multi_discrete_observations_o
 
 
 @pytest.mark.skipif("ppo" not in RECIPES, reason="this project has no ppo recipe")
-def test_ppo_trains_on_a_popgym_env_in_one_process(tmp_path):
-    """CartPole without its velocities: POPGym scales an episode's return to at most 1."""
+def test_recurrent_ppo_trains_on_a_popgym_env_in_one_process_and_its_agent_plays(tmp_path):
+    """RepeatPrevious shows a card (``Discrete(4)``, one-hot) and pays for naming the one
+    shown a few steps before: an env for memory. POPGym keeps an episode's return within
+    [-1, 1]."""
     pytest.importorskip("popgym", reason="needs the [popgym] extra")
-    overrides = [*tiny_overrides("ppo"), "env.id=popgym-PositionOnlyCartPoleEasy-v0", "total_frames=1024"]
-    overrides += ["eval.every=0", f"run_dir={tmp_path}"]
+    overrides = [*tiny_overrides("ppo"), "env.id=popgym-RepeatPreviousEasy-v0", "algo.recurrent=true"]
+    overrides += ["total_frames=1024", "eval.every=0", f"run_dir={tmp_path}"]
     summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
+    # 4 steps x 2 epochs x 2 minibatches of 4 of the 8 copies' sequences (128 frames each).
     assert summary["frames_collected"] == 1024 and summary["updates"] == 4 * 2 * 2
-    assert summary["eval_episodes"] >= 10 and 0 < summary["eval_return"] <= 1
+    assert summary["eval_episodes"] >= 10 and -1 <= summary["eval_return"] <= 1
+    assert evaluate.main([f"checkpoint={tmp_path}", "episodes=2"]) == 0

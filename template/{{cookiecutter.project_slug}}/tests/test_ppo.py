@@ -1,6 +1,8 @@
-"""The PPO recipe's wiring on a tiny batch, without any distribution; and its runs on
-Atari, MinAtar and MuJoCo on 3 learners (DD-PPO), the normalisation of MuJoCo's
-observations the same on every learner, through resume and evaluate.py."""
+"""The PPO recipe's wiring on a tiny batch, without any distribution, feed-forward and
+recurrent (the LSTM's state carried by the collector, rebuilt through sequences by the
+update); and its runs on Atari, MinAtar and MuJoCo on 3 learners (DD-PPO), the
+normalisation of MuJoCo's observations the same on every learner, through resume and
+evaluate.py."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchrl.collectors import Collector
+from torchrl.envs import StepCounter
 from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import set_recurrent_mode
 
 from {{ cookiecutter.package_name }} import checkpoint, evaluate, recipes
 from {{ cookiecutter.package_name }}.envs import make_env
@@ -216,6 +221,75 @@ def test_continuous_actions_reach_the_env_within_its_bounds():
         state["action"] = torch.full((1, 1), torque)
         outcomes.append(env.step(state)["next", "observation"])
     torch.testing.assert_close(outcomes[0], outcomes[1])
+
+
+def recurrent_agent_and_batches():
+    """A small recurrent agent on 4 copies of CartPole, each step numbered within its
+    episode (torchrl's ``StepCounter``), and two consecutive batches of 30 steps from a
+    collector set as the learner's is."""
+    torch.manual_seed(0)
+    config = ppo.Config(hidden_sizes=[16], recurrent=True, lstm_hidden_size=8)
+    agent = ppo.Agent(config, make_env("CartPole-v1", num_envs=4, seed=0))
+    env = make_env("CartPole-v1", num_envs=4, seed=0, policy=agent.policy).append_transform(StepCounter())
+    collector = Collector(
+        env, agent.policy, frames_per_batch=4 * 30, total_frames=-1, track_traj_ids=False,
+        auto_register_policy_transforms=False, use_buffers=False, return_same_td=True,
+    )  # fmt: skip
+    batches = iter(collector)
+    first, second = next(batches).clone(), next(batches).clone()
+    collector.shutdown()
+    return agent, first, second
+
+
+def test_a_recurrent_policy_carries_its_state_across_batches_and_starts_each_episode_from_zeros():
+    agent, first, second = recurrent_agent_and_batches()
+    stream = torch.cat([first, second], dim=1)  # each copy's 60 steps in time order
+    starts = stream[ppo.IS_INIT].squeeze(-1)
+    # An episode starts exactly where the env counts step 0, and from a zero state.
+    assert torch.equal(starts, stream["step_count"].squeeze(-1) == 0) and starts[:, 1:].sum() >= 4
+    state = stream[ppo.STATE[0]]
+    assert (state[starts] == 0).all() and (state[~starts] != 0).any(-1).all()
+    # The second batch goes on from the first: some copy's episode runs across the boundary.
+    assert (second["step_count"][:, 0] > 0).any()
+    # Each step's state is the LSTM's, run from zeros through its episode's steps so far,
+    # across the two batches: the state after a step is that of the LSTM's output.
+    sequences = stream.select(*ppo.STATE, ppo.IS_INIT).clone()
+    sequences[ppo.IS_INIT][:, 0] = True
+    for key in ppo.STATE:
+        sequences[key].zero_()
+    with torch.no_grad(), set_recurrent_mode(True):
+        sequences[ppo.FEATURES] = agent.trunk(stream["observation"])
+        memory = agent.memory(sequences)[ppo.MEMORY]
+    torch.testing.assert_close(memory, stream["next", ppo.STATE[0]].squeeze(-2), rtol=1e-5, atol=1e-6)
+
+
+def test_a_recurrent_update_runs_the_lstm_through_whole_sequences_from_their_first_state():
+    """Before any update the weights are those that acted: the sequences rebuilt from the
+    state kept with each one's first step give back the collected log-probabilities, for
+    any copies (a minibatch), a rollout that starts mid-episode (the second batch) and one
+    cut short (the straggler threshold's)."""
+    agent, _, second = recurrent_agent_and_batches()
+    assert (second["step_count"][:, 0] > 0).any() and second[ppo.IS_INIT][:, 1:].any()
+    for rollout in (second, second[:, :7]):
+        rollout = rollout.clone()
+        agent.after_collect(rollout, frames=rollout.numel(), sum_over_learners=one_learner)
+        with torch.no_grad():
+            # The values GAE used are the critic's on the states the policy acted from.
+            value = agent.critic_head(agent.step_features(rollout))
+            torch.testing.assert_close(rollout["state_value"], value)
+            for copies in (torch.arange(4), torch.tensor([3, 1])):
+                sequences = rollout[copies]
+                distribution = agent.distribution(agent.sequence_features(sequences))
+                log_prob = distribution.log_prob(sequences["action"])
+                torch.testing.assert_close(log_prob, sequences["action_log_prob"], rtol=1e-5, atol=1e-5)
+    agent.after_collect(second, frames=second.numel(), sum_over_learners=one_learner)
+    loss, _, metrics = agent(second[torch.tensor([0, 2])])
+    assert torch.isfinite(loss) and metrics["loss_objective"].abs() < 1e-5  # ratio 1: no objective yet
+    optimizers = agent.make_optimizers()
+    before = [parameter.detach().clone() for parameter in agent.memory.parameters()]
+    loss.backward()
+    agent.optimizer_step(optimizers, 1)
+    assert all(not torch.equal(old, new) for old, new in zip(before, agent.memory.parameters(), strict=True))
 
 
 # A few hundred frames per family on 3 learners (DD-PPO: no replay process), one minibatch

@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from {{ cookiecutter.package_name }} import checkpoint, config, recipes, train
-from {{ cookiecutter.package_name }}.distributed.stragglers import chunk_steps, minibatches
+from {{ cookiecutter.package_name }}.distributed.stragglers import chunk_steps, minibatches, sequence_minibatches
 
 from .conftest import (
     RECIPES,
@@ -74,6 +74,21 @@ def test_no_learner_gets_an_empty_minibatch():
     assert [frames for frames, _ in minibatches([512, 8, 512], 1, 16)] == [1] * 8
 
 
+def test_recurrent_minibatches_hold_whole_sequences_and_weigh_every_frame_the_same():
+    # 8 copies of 32 steps per learner in minibatches of about 128 frames: 2 parts of 4 copies.
+    assert sequence_minibatches([256, 256, 256], 1, 8, 128) == [(4, 1.0), (4, 1.0)]
+    # A cut learner has 8 shorter sequences: the same parts of copies everywhere, each
+    # learner's weight its frames' share of all (DDP averages: every frame counts once).
+    sizes = [256, 256, 64]
+    plans = [sequence_minibatches(sizes, index, 8, 64) for index in range(3)]
+    assert [[copies for copies, _ in plan] for plan in plans] == [[3, 3, 2]] * 3
+    for j in range(3):
+        frames = [plan[j][0] * size / 8 for plan, size in zip(plans, sizes, strict=True)]
+        for own, (_, weight) in zip(frames, (plan[j] for plan in plans), strict=True):
+            assert weight / 3 == pytest.approx(own / sum(frames))
+    assert sequence_minibatches([512, 512], 0, 2, 16) == [(1, 1.0), (1, 1.0)]  # at least a copy each
+
+
 def test_chunks_divide_the_rollout():
     assert [chunk_steps(steps) for steps in (32, 8, 4, 33, 37, 100)] == [4, 1, 1, 3, 1, 10]
 
@@ -123,6 +138,23 @@ def test_a_slow_learner_is_cut_short_the_frames_add_up_and_the_run_resumes(tmp_p
     assert summary["frames_collected"] == saved + sum(row["frames"] for row in rollouts) >= 3072
     assert last_step(tmp_path) == summary["frames_collected"]
     assert len(set(summary["learner_param_checksums"].values())) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("ppo" not in RECIPES, reason="this project has no ppo recipe")
+def test_a_recurrent_learner_is_cut_short_and_the_learners_stay_identical(tmp_path, straggler):
+    """Recurrent PPO: each learner's rollout is its copies' sequences, as long as its
+    chunks, the LSTM's state carried from chunk to chunk by its collector."""
+    overrides = ["algo.recurrent=true", "total_frames=1536", "collector.sync_frac=0.6", f"run_dir={tmp_path}"]
+    command = fabric_command(3, "train.py", *tiny_overrides("ppo"), STRAGGLER_ENV, *overrides)
+    summary = read_summary(run_command(command))
+    rollouts = summary["learner_rollouts"]
+    slow, fast = rollouts[str(SLOW_RANK)], [rollouts[rank] for rank in ("0", "1")]
+    assert slow["cut"] > 0 and 0.25 <= slow["mean_fraction"] < 1, rollouts
+    assert all(row["rollouts"] == slow["rollouts"] for row in fast)
+    assert summary["frames_collected"] == sum(row["frames"] for row in rollouts.values()) >= 1536
+    assert last_step(tmp_path) == summary["frames_collected"]
+    assert len(set(summary["learner_param_checksums"].values())) == 1  # the learners stayed identical
 
 
 @pytest.mark.slow

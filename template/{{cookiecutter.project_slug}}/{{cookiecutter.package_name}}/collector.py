@@ -70,7 +70,7 @@ def make_collector(
     on_cpu = cfg.collector.mode == COLLECT_ASYNC or workers > 1 or device.type == "cpu"
     env_device = None if on_cpu else "cpu"
     env = OmegaConf.to_container(cfg.env)
-    make = functools.partial(make_env, env, cfg.env.num_envs, seed, env_device)
+    make = functools.partial(make_env, env, cfg.env.num_envs, seed, env_device, policy=policy)
     frames_per_batch = frames_per_batch or cfg.collector.frames_per_batch
     settings = {
         "frames_per_batch": frames_per_batch,
@@ -85,7 +85,7 @@ def make_collector(
         # with their seeds: a gymnasium vector env seeds its copies seed, seed + 1, ...
         copies = cfg.env.num_envs // workers
         makes = [
-            functools.partial(worker_env, env, copies, seed + worker * copies, env_device)
+            functools.partial(worker_env, env, copies, seed + worker * copies, env_device, policy)
             for worker in range(workers)
         ]
         with signals_ignored(*STOP_SIGNALS):  # as the async collector's child, below
@@ -128,12 +128,15 @@ def make_collector(
     )
 
 
-def worker_env(env: dict, num_envs: int, seed: int, device: str | None) -> EnvBase:
-    """A collector worker's env copies, made in the worker, whose torch generator is seeded
-    as they are: a spawned process starts from torch's default seed, the same in every
-    worker, so their exploration (epsilon-greedy, sampled actions) would draw alike."""
+def worker_env(
+    env: dict, num_envs: int, seed: int, device: str | None, policy: TensorDictModuleBase
+) -> EnvBase:
+    """A collector worker's env copies (carrying ``policy``'s recurrent state, if it has
+    one), made in the worker, whose torch generator is seeded as they are: a spawned
+    process starts from torch's default seed, the same in every worker, so their
+    exploration (epsilon-greedy, sampled actions) would draw alike."""
     torch.manual_seed(seed)
-    return make_env(env, num_envs, seed, device)
+    return make_env(env, num_envs, seed, device, policy=policy)
 
 
 class CollectorProcesses:

@@ -42,6 +42,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModuleBase
 from torchrl.data import Categorical, OneHot, Unbounded
 from torchrl.envs import (
     DTypeCastTransform,
@@ -50,6 +51,7 @@ from torchrl.envs import (
     PermuteTransform,
 )
 from torchrl.envs.libs.gym import default_info_dict_reader
+from torchrl.modules import get_env_transforms_from_module, get_primers_from_module
 
 ATARI, MINATAR, MUJOCO, POPGYM, OTHER = "atari", "minatar", "mujoco", "popgym", "other"
 SYNC, ASYNC, ALE, AUTO = "sync", "async", "ale", "auto"  # env.vectorization
@@ -200,8 +202,10 @@ def make_env(
     seed: int,
     device: torch.device | str | None = "cpu",
     training: bool = True,
+    policy: TensorDictModuleBase | None = None,
 ) -> EnvBase:
-    """``num_envs`` copies of an env stepped as one batch, as a seeded torchrl env.
+    """``num_envs`` copies of an env stepped as one batch, as a seeded torchrl env, which
+    carries the recurrent state of ``policy``, if it has one (``with_recurrent_state``).
 
     ``env`` is an env id or the run's ``env`` config (``id``, ``vectorization``, ``kwargs``,
     ``life_loss``); missing keys take their defaults. Rewards are raw: ``TrainingBatches``
@@ -244,7 +248,19 @@ def make_env(
     if isinstance(vector_env.single_action_space, gym.spaces.Box):
         vector_env = ClippedActions(vector_env)
     life_loss = training and env.get("life_loss", False)
-    return as_torchrl(vector_env, seed, device, family, read_lives=life_loss)
+    return with_recurrent_state(as_torchrl(vector_env, seed, device, family, read_lives=life_loss), policy)
+
+
+def with_recurrent_state(env: EnvBase, policy: TensorDictModuleBase | None) -> EnvBase:
+    """``env`` with the transforms that a policy with recurrent modules (torchrl's
+    ``LSTMModule``, ``GRUModule``) needs, from torchrl's ``get_env_transforms_from_module``:
+    ``InitTracker`` marks each episode's first step (``is_init``), and the modules'
+    primer puts their state in each step, zeros at a reset, the state after a step
+    (``("next", ...)``, which the policy writes) becoming the next step's. ``env`` as it
+    is for any other policy."""
+    if policy is None or get_primers_from_module(policy, warn=False) is None:
+        return env
+    return env.append_transform(get_env_transforms_from_module(policy))
 
 
 def clip_to(space: gym.spaces.Box) -> Callable[[np.ndarray], np.ndarray]:
@@ -431,7 +447,9 @@ def max_episode_steps(env_id: str) -> int:
     return gym.spec(registered_name(env_id)).max_episode_steps or MAX_EPISODE_STEPS
 
 
-def make_video_env(env: Mapping[str, Any], folder: str, seed: int) -> EnvBase:
+def make_video_env(
+    env: Mapping[str, Any], folder: str, seed: int, policy: TensorDictModuleBase | None = None
+) -> EnvBase:
     """One copy of the env, each episode recorded to an mp4 in ``folder`` by gymnasium's
     ``RecordVideo`` (needs moviepy; pygame for classic control). The recorder sees the
     game as rendered (Atari: the colour screen at every emulator frame), the agent the
@@ -457,7 +475,7 @@ def make_video_env(env: Mapping[str, Any], folder: str, seed: int) -> EnvBase:
     )
     if family == ATARI:
         recorder = atari_preprocessing(recorder)
-    return as_torchrl(recorder, seed, family=family)
+    return with_recurrent_state(as_torchrl(recorder, seed, family=family), policy)
 
 
 class MinAtarFrames(gym.Wrapper):

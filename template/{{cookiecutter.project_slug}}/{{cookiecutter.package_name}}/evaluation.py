@@ -29,7 +29,7 @@ def evaluate(
     to gymnasium, which refuses it unless it resets copies itself: same-step autoreset
     (``make_env(training=False)``).
     """
-    eval_env = make_env(env, episodes, seed, device, training=False)
+    eval_env = make_env(env, episodes, seed, device, training=False, policy=policy)
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
             rollout = eval_env.rollout(
@@ -55,7 +55,7 @@ def record(
     # complains about the missing display on headless machines.
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")
-    video_env = make_video_env(env, str(folder), seed)
+    video_env = make_video_env(env, str(folder), seed, policy)
     returns = []
     try:
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):

@@ -131,10 +131,14 @@ def on_policy(run: Run) -> dict[str, Any]:
         # Advantages along each copy's steps; statistics all-reduced through sum_over_learners.
         with phase("after_collect"):
             agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
-        transitions = batch.reshape(-1)
-        plan = stragglers.minibatches(sizes, learner.index, algo.minibatch_size)
+        if recipes.recurrent(agent):  # minibatches of whole env copies' sequences
+            samples = batch
+            plan = stragglers.sequence_minibatches(sizes, learner.index, len(batch), algo.minibatch_size)
+        else:  # minibatches of frames
+            samples = batch.reshape(-1)
+            plan = stragglers.minibatches(sizes, learner.index, algo.minibatch_size)
         for _ in range(algo.epochs):
-            for minibatch, weight in learner.shuffled(transitions, plan):
+            for minibatch, weight in learner.shuffled(samples, plan):
                 learner.update(minibatch, weight)  # loss, backward (all-reduce), step
         if learner.due(cfg.log_every):
             learner.report()
@@ -312,12 +316,13 @@ class Learner:
 
     @timed("shuffle")
     def shuffled(
-        self, transitions: TensorDictBase, plan: list[tuple[int, float]]
+        self, samples: TensorDictBase, plan: list[tuple[int, float]]
     ) -> list[tuple[TensorDictBase, float]]:
         """One epoch's minibatches of this learner's rollout, shuffled: ``plan`` gives each
-        one's frames and loss weight (``stragglers.minibatches``)."""
+        one's frames (or env copies' sequences) and loss weight (``stragglers.minibatches``,
+        ``stragglers.sequence_minibatches``)."""
         sizes, weights = zip(*plan, strict=True)
-        shuffled = transitions[torch.randperm(len(transitions))]
+        shuffled = samples[torch.randperm(len(samples))]
         return list(zip(shuffled.split(list(sizes)), weights, strict=True))
 
     def sum_over_learners(self, values: torch.Tensor) -> torch.Tensor:

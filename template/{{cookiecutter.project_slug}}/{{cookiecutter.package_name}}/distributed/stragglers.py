@@ -125,3 +125,22 @@ def minibatches(sizes: list[int], index: int, minibatch_size: int) -> list[tuple
     parts = [[size // count + (j < size % count) for j in range(count)] for size in sizes]
     totals = [sum(column) for column in zip(*parts, strict=True)]
     return [(own, learners * own / total) for own, total in zip(parts[index], totals, strict=True)]
+
+
+def sequence_minibatches(
+    sizes: list[int], index: int, copies: int, minibatch_size: int
+) -> list[tuple[int, float]]:
+    """This recurrent learner's minibatches for one epoch: ``(env copies, loss weight)``
+    each, a copy's whole sequence of the rollout going to one minibatch.
+
+    As ``minibatches``, with copies in place of frames: every learner has ``copies``
+    sequences, as long as its rollout (``sizes[i] / copies`` steps, cut or not), and splits
+    them into the same number of near-equal parts, about ``minibatch_size`` frames per
+    learner on average and at least one copy each. The j-th parts of all learners hold the
+    same number of copies, so a learner's share of the j-th minibatch's frames, and its
+    weight, is its rollout's share of all the learners' frames.
+    """
+    learners = len(sizes)
+    count = max(1, min(copies, math.ceil(sum(sizes) / (learners * minibatch_size))))
+    weight = learners * sizes[index] / sum(sizes)
+    return [(copies // count + (j < copies % count), weight) for j in range(count)]

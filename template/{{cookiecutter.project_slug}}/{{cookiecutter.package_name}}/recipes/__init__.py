@@ -22,6 +22,8 @@ tested on its own, and a project keeps only the recipes it was made with. It def
     something else at some updates (TD3: the actor's loss every ``policy_delay`` updates)
     says which in an ``update_path`` attribute, any hashable value: ``cudagraphs=true``
     records a CUDA graph per path and would otherwise replay the first one at every update.
+    An on-policy Agent whose ``forward`` reads whole env-copy sequences (an LSTM's) says so
+    in a ``recurrent`` attribute: its minibatches are then ``[copies, steps]``, in time order.
 
 ``load`` checks all of this when a recipe loads and names what is missing in one line;
 ``check_update`` then makes one update of a fresh Agent on a few transitions before a run
@@ -47,7 +49,7 @@ from tensordict.nn import TensorDictModuleBase
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 
-from ..envs import CONTINUOUS, DISCRETE, TrainingBatches, make_env
+from ..envs import CONTINUOUS, DISCRETE, TrainingBatches, make_env, with_recurrent_state
 
 # The hyperparameters the learner's loops read, by Agent.uses_replay.
 CONFIG_FIELDS = {
@@ -220,15 +222,22 @@ def first_batch(agent: torch.nn.Module, copies: EnvBase, env: Mapping[str, Any])
     ``copies`` (made from the run's ``env`` config) as a collector takes them with its
     policy, after ``after_collect``; as replay samples them (``batch_keys``,
     ``priority_weight``), or as an on-policy minibatch."""
+    copies = with_recurrent_state(copies, agent.policy)
     with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
         batch = copies.rollout(CHECK_STEPS, agent.policy, break_when_any_done=False)
     batch = TrainingBatches(env.get("clip_rewards", False), env.get("life_loss", False))(batch)
     agent.after_collect(batch, batch.numel(), lambda tensor: tensor)
     if not agent.uses_replay:
-        return batch.reshape(-1)
+        return batch if recurrent(agent) else batch.reshape(-1)
     batch = batch.select(*agent.batch_keys).reshape(-1)
     batch["priority_weight"] = torch.ones(batch.shape)
     return batch
+
+
+def recurrent(agent: torch.nn.Module) -> bool:
+    """Whether an on-policy ``agent`` trains on whole env-copy sequences (its optional
+    ``recurrent`` attribute) rather than on single frames."""
+    return bool(getattr(agent, "recurrent", False))
 
 
 def described(value: Any) -> str:

@@ -8,6 +8,14 @@ MinAtar grids, a trunk shared by actor and critic), the policy (categorical for 
 actions, a Gaussian with a state-independent standard deviation for continuous ones), the
 observation and reward normalisation that continuous control wants, the advantage
 estimate and the loss.
+
+``algo.recurrent=true`` puts an LSTM between the trunk and the actor's and critic's heads,
+as CleanRL's ``ppo_atari_lstm.py`` does: the policy remembers. torchrl's ``LSTMModule``
+acts one step at a time; the env's ``InitTracker`` and the module's primer (which
+``make_env`` adds for such a policy) carry its state from step to step and from one
+collector batch to the next, zeroed at each episode's first step. Each collected step
+keeps the state it was acted from; an update runs the LSTM through whole env-copy
+sequences from the state at their first step, resetting it where an episode starts.
 """
 
 from __future__ import annotations
@@ -23,12 +31,17 @@ from tensordict.nn import AddStateIndependentNormalScale, TensorDictModuleBase
 from torch import nn
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, exploration_type
-from torchrl.modules import MLP, IndependentNormal, OneHotCategorical
+from torchrl.modules import MLP, IndependentNormal, LSTMModule, OneHotCategorical, set_recurrent_mode
 from torchrl.objectives.value import GAE
 
 from ._parts import image_encoder
 
 NORMALIZED = "observation_normalized"  # the key of the normalised observations
+# A recurrent agent's keys: the LSTM's input and output, and its state, which each step
+# keeps as the state it was acted from (``("next", ...)``: the state after it).
+FEATURES, MEMORY = "features", "memory"
+STATE = ("recurrent_state_h", "recurrent_state_c")
+IS_INIT = "is_init"  # InitTracker's: True at an episode's first step
 
 RUN_DEFAULTS = {
     "env": {"id": "CartPole-v1", "num_envs": 8},
@@ -62,6 +75,8 @@ ATARI = {
         "epochs": 4,
         "minibatch_size": 256,
         "orthogonal_init": True,
+        # ppo_atari_lstm.py's LSTM (algo.recurrent=true), between the 512 units and the heads.
+        "lstm_hidden_size": 128,
     },
 }
 FAMILY_DEFAULTS = {
@@ -164,6 +179,15 @@ class Config:
     """observations standardised by their running mean and variance over all learners, clipped to 10"""
     scale_rewards: bool = False
     """rewards divided by the running deviation of the discounted return, clipped to 10 (training only)"""
+    # The SB3 zoo's PPO-LSTM on CartPole without velocities (hyperparams/ppo_lstm.yml,
+    # CartPoleNoVel-v1: 500 of 500 within 100k steps) takes the CartPole settings above and
+    # 64 LSTM units; not taken here: its normalised observations, ReLU, default (not
+    # orthogonal) initialisation, and a second LSTM for the critic (one serves both here,
+    # as in ppo_atari_lstm.py).
+    recurrent: bool = False
+    """an LSTM between the trunk and the heads (ppo_atari_lstm.py's); minibatches: whole env-copy sequences"""
+    lstm_hidden_size: int = 64
+    """units of the LSTM (algo.recurrent=true)"""
 
 
 class Agent(nn.Module):
@@ -178,6 +202,9 @@ class Agent(nn.Module):
     def __init__(self, cfg: Config, env: EnvBase) -> None:
         super().__init__()
         self.cfg = cfg
+        # The learner's loop deals out minibatches of whole env-copy sequences, in time
+        # order, to a recurrent agent; of single frames to the others.
+        self.recurrent = cfg.recurrent
         action_spec = env.action_spec_unbatched
         observation_shape = env.observation_spec_unbatched["observation"].shape
         self.continuous = action_spec.dtype.is_floating_point
@@ -189,12 +216,22 @@ class Agent(nn.Module):
         if cfg.normalize_observations:
             self.normalizer = RunningNorm(observation_shape)
             self.observation_key = NORMALIZED
-        # trunk -> actor_head gives the policy's distribution, trunk -> critic_head the value:
-        # images share a convolutional trunk, vectors go to two MLPs of their own.
-        if len(observation_shape) == 3:
-            if self.continuous:
-                raise ValueError("ppo: image observations take discrete actions only")
-            self.trunk, self.actor_head, self.critic_head = shared_trunk(observation_shape, actions, cfg)
+        # trunk (-> memory) -> actor_head gives the policy's distribution, trunk (-> memory)
+        # -> critic_head the value: images share a convolutional trunk, as do vectors under
+        # an LSTM; otherwise vectors go to two MLPs of their own.
+        images = len(observation_shape) == 3
+        if images and self.continuous:
+            raise ValueError("ppo: image observations take discrete actions only")
+        self.memory = None
+        if images or cfg.recurrent:
+            self.trunk = (
+                image_trunk(observation_shape, cfg) if images else vector_trunk(observation_shape[0], cfg)
+            )
+            features = cfg.hidden_sizes[-1]
+            if cfg.recurrent:
+                self.memory = lstm(features, cfg)
+                features = cfg.lstm_hidden_size
+            self.actor_head, self.critic_head = linear_heads(features, actions, self.continuous, cfg)
         else:
             self.trunk = nn.Identity()
             self.actor_head, self.critic_head = separate_mlps(
@@ -216,8 +253,30 @@ class Agent(nn.Module):
         return action_distribution(self.actor_head(features), self.continuous)
 
     def value(self, observation: torch.Tensor) -> torch.Tensor:
-        """The critic's estimate of each observation's value, shape ``[..., 1]``."""
+        """The critic's estimate of each observation's value, shape ``[..., 1]`` (a
+        feed-forward agent's: a recurrent one's value needs the state, ``step_features``)."""
         return self.critic_head(self.trunk(observation))
+
+    def step_features(self, steps: TensorDictBase) -> torch.Tensor:
+        """What the heads read for each of ``steps`` (any shape), taken one at a time: the
+        trunk's features, through the LSTM from each step's recorded state for a recurrent
+        agent (as the policy acted)."""
+        features = self.trunk(steps[self.observation_key])
+        if self.memory is None:
+            return features
+        return remember(self.memory, steps, features)[MEMORY]
+
+    def sequence_features(self, batch: TensorDictBase) -> torch.Tensor:
+        """What the heads read for each step of a ``[copies, steps]`` batch: a recurrent
+        agent runs its LSTM through each copy's steps in time order, from the state
+        recorded at the first and from zeros where an episode starts (``is_init``), with
+        the weights as they are now."""
+        features = self.trunk(batch[self.observation_key])
+        if self.memory is None:
+            return features
+        sequences = batch.select(*STATE, IS_INIT).set(FEATURES, features)
+        with set_recurrent_mode(True):
+            return self.memory(sequences)[MEMORY]
 
     @property
     def policy(self) -> Policy:
@@ -227,9 +286,12 @@ class Agent(nn.Module):
     def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, None, dict[str, torch.Tensor]]:
         """The clipped surrogate objective, the value loss and the entropy bonus on a
         minibatch that ``after_collect`` gave advantages to (no priorities: nothing is
-        replayed). The trunk runs once for the actor's head and the critic's."""
+        replayed): frames, or for a recurrent agent whole sequences ``[copies, steps]``.
+        The trunk runs once for the actor's head and the critic's."""
         cfg = self.cfg
-        features = self.trunk(batch[self.observation_key])
+        features = self.sequence_features(batch)
+        if self.memory is not None:  # the loss weighs every frame alike, whichever sequence holds it
+            batch, features = batch.reshape(-1), features.flatten(0, 1)
         distribution = self.distribution(features)
         ratio = (distribution.log_prob(batch["action"]) - batch["action_log_prob"]).exp()
         advantage = batch["advantage"].squeeze(-1)
@@ -311,11 +373,17 @@ class Agent(nn.Module):
         """The critic's value of each step's state and of its next state, evaluating every
         state once (on images the trunk is most of a step's cost): a step's next state is the
         following step's state, except where the episode ended (the following step starts a
-        new one) and at the rollout's last step, whose next states are evaluated apart."""
-        states, next_states = batch[self.observation_key], batch["next", self.observation_key]
+        new one) and at the rollout's last step, whose next states are evaluated apart. A
+        recurrent agent evaluates each state from the LSTM state recorded with it, the
+        next states from the state after the step."""
+        keys = [self.observation_key, *(STATE if self.memory is not None else ())]
+        states, next_states = batch.select(*keys), batch["next"].select(*keys)
+        if self.memory is not None:
+            states[IS_INIT] = batch[IS_INIT]
+            next_states[IS_INIT] = torch.zeros_like(batch[IS_INIT])  # the episode goes on into them
         apart = batch["next", "done"].squeeze(-1).clone()
         apart[:, -1] = True
-        values = self.value(torch.cat([states.flatten(0, 1), next_states[apart]]))
+        values = self.critic_head(self.step_features(torch.cat([states.flatten(0, 1), next_states[apart]])))
         value = values[: batch.numel()].unflatten(0, batch.shape)
         next_value = torch.cat([value[:, 1:], torch.empty_like(value[:, :1])], dim=1)
         next_value[apart] = values[batch.numel() :]
@@ -345,17 +413,27 @@ class Policy(TensorDictModuleBase):
     def __init__(self, agent: Agent) -> None:
         super().__init__()
         self.normalizer, self.trunk, self.actor_head = agent.normalizer, agent.trunk, agent.actor_head
+        self.memory = agent.memory
         self.continuous = agent.continuous
         self.in_keys = ["observation"]
         self.out_keys = ["action", "action_log_prob"]
         if self.normalizer is not None:
             self.out_keys.append(NORMALIZED)
+        if self.memory is not None:
+            self.in_keys += [*STATE, IS_INIT]
+            self.out_keys += [("next", key) for key in STATE]
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         observation = tensordict["observation"]
         if self.normalizer is not None:
             observation = tensordict[NORMALIZED] = self.normalizer(observation)
-        distribution = action_distribution(self.actor_head(self.trunk(observation)), self.continuous)
+        features = self.trunk(observation)
+        if self.memory is not None:  # one step of the LSTM; the state after it goes with the step
+            remembered = remember(self.memory, tensordict, features)
+            features = remembered[MEMORY]
+            for key in STATE:
+                tensordict["next", key] = remembered["next", key]
+        distribution = action_distribution(self.actor_head(features), self.continuous)
         if exploration_type() is ExplorationType.DETERMINISTIC:
             action = distribution.deterministic_sample
         else:
@@ -390,10 +468,10 @@ def separate_mlps(observations, actions, continuous, cfg):
     return actor, critic
 
 
-def shared_trunk(observation_shape, actions, cfg):
-    """A convolutional trunk shared by the actor's and the critic's linear heads, on uint8
-    images: the Nature-DQN convolutions for Atari's frames or the MinAtar network's one
-    for MinAtar's grids (``image_encoder``), then ``hidden_sizes`` units."""
+def image_trunk(observation_shape, cfg):
+    """A convolutional trunk for the actor and the critic to share, on uint8 images: the
+    Nature-DQN convolutions for Atari's frames or the MinAtar network's one for MinAtar's
+    grids (``image_encoder``), then ``hidden_sizes`` units."""
     encoder, features = image_encoder(observation_shape)
     dense = MLP(
         features,
@@ -403,12 +481,53 @@ def shared_trunk(observation_shape, actions, cfg):
         activate_last_layer=True,
     )
     trunk = nn.Sequential(*encoder, dense)
-    actor_head, critic_head = nn.Linear(cfg.hidden_sizes[-1], actions), nn.Linear(cfg.hidden_sizes[-1], 1)
     if cfg.orthogonal_init:
         orthogonal_init(trunk, output_gain=math.sqrt(2))
+    return trunk
+
+
+def vector_trunk(observations, cfg):
+    """An MLP trunk (tanh, as CleanRL's) for the actor and the critic to share, on vectors:
+    what a recurrent agent's LSTM reads."""
+    trunk = MLP(
+        observations, cfg.hidden_sizes[-1], num_cells=list(cfg.hidden_sizes[:-1]), activate_last_layer=True
+    )
+    if cfg.orthogonal_init:
+        orthogonal_init(trunk, output_gain=math.sqrt(2))
+    return trunk
+
+
+def linear_heads(features, actions, continuous, cfg):
+    """The actor's and the critic's linear heads on a shared trunk's ``features``."""
+    actor_head, critic_head = nn.Linear(features, actions), nn.Linear(features, 1)
+    if cfg.orthogonal_init:
         orthogonal_init(actor_head, output_gain=0.01)
         orthogonal_init(critic_head, output_gain=1.0)
-    return trunk, actor_head, critic_head
+    if continuous:
+        actor_head = nn.Sequential(actor_head, AddStateIndependentNormalScale(actions, scale_lb=1e-8))
+    return actor_head, critic_head
+
+
+def lstm(features, cfg):
+    """torchrl's LSTMModule on the trunk's ``features``, one layer of ``lstm_hidden_size``
+    (orthogonal weights and zero biases, as ppo_atari_lstm.py initialises them)."""
+    module = LSTMModule(
+        input_size=features, hidden_size=cfg.lstm_hidden_size, in_key=FEATURES, out_key=MEMORY
+    )
+    if cfg.orthogonal_init:
+        for name, weight in module.named_parameters():
+            if "weight" in name:
+                nn.init.orthogonal_(weight, 1.0)
+            else:
+                nn.init.zeros_(weight)
+    return module
+
+
+def remember(memory, steps, features):
+    """One step of ``memory`` for each of ``steps`` (any shape), from the state recorded
+    with it (zeros at an episode's first step: ``is_init``): a tensordict with the
+    LSTM's output (``MEMORY``) and the state after the step (``("next", key)``)."""
+    return memory(steps.select(*STATE, IS_INIT).set(FEATURES, features))
 
 
 def orthogonal_init(network: nn.Module, output_gain: float) -> None:
