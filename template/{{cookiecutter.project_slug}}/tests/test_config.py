@@ -33,7 +33,13 @@ ANOTHER_ENV = {"discrete": "Acrobot-v1", "continuous": "MountainCarContinuous-v0
 WRONG_ENV = {"discrete": ("Pendulum-v1", "continuous actions (1 dimension)"),
              "continuous": ("CartPole-v1", "2 discrete actions")}  # fmt: skip
 # An env id of each family, for the recipes' FAMILY_DEFAULTS.
-FAMILY_ENVS = {"atari": "ALE/Pong-v5", "minatar": "MinAtar/Breakout-v1", "mujoco": "Hopper-v5"}
+FAMILY_ENVS = {
+    "atari": "ALE/Pong-v5",
+    "minatar": "MinAtar/Breakout-v1",
+    "mujoco": "Hopper-v5",
+    "popgym": "popgym-PositionOnlyCartPoleEasy-v0",
+}
+FAMILY_MODULES = {"atari": "ale_py", "minatar": "minatar", "mujoco": "mujoco", "popgym": "popgym"}
 
 
 @pytest.mark.parametrize("recipe", recipes.available())
@@ -72,11 +78,15 @@ def test_print_config_says_where_each_value_came_from(capsys, recipe):
     assert "  batches_per_request: 4  # default in config.py" in lines
     assert any(line.startswith(f"  {field}:") and line.endswith(f"# {recipe} Config") for line in lines)
     for family, defaults in getattr(module, "FAMILY_DEFAULTS", {}).items():
-        pytest.importorskip({"atari": "ale_py", "minatar": "minatar", "mujoco": "mujoco"}[family])
+        pytest.importorskip(FAMILY_MODULES[family])
         assert train.main([f"recipe={recipe}", f"env.id={FAMILY_ENVS[family]}", "--print-config"]) == 0
         lines = capsys.readouterr().out.splitlines()
-        frames = defaults["collector"]["frames_per_batch"]
-        assert f"  frames_per_batch: {frames}  # {recipe}, {family} family" in lines
+        if "collector" in defaults:
+            frames = defaults["collector"]["frames_per_batch"]
+            assert f"  frames_per_batch: {frames}  # {recipe}, {family} family" in lines
+        else:  # a family that sets hyperparameters only
+            key, value = next(iter(defaults["algo"].items()))
+            assert f"  {key}: {str(value).lower()}  # {recipe}, {family} family" in lines
         assert f"  id: {FAMILY_ENVS[family]}  # command line" in lines
 
 

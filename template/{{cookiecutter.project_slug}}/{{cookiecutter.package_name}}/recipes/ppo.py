@@ -103,6 +103,12 @@ FAMILY_DEFAULTS = {
             "minibatch_size": 1024,
         },
     },
+    # POPGym: the CartPole settings above, with rewards scaled by the running deviation of
+    # the discounted return (CleanRL's MuJoCo scaling, below): POPGym pays each step a
+    # fraction of 1 (1/200 on PositionOnlyCartPoleEasy), too little for the critic's loss
+    # to move. Recurrent PPO there, seed 1: greedy 0.95 at 20k frames with the scaling, 0.3
+    # at 20k and 0.9 at 100k without (docs/benchmarks.md, "Recurrent PPO on POPGym").
+    "popgym": {"algo": {"scale_rewards": True}},
     # CleanRL's ppo_continuous_action.py: 1 env x 2048 steps, 32 minibatches, 10 epochs,
     # Adam at 3e-4 (eps 1e-5) annealed to 0, clip 0.2, no entropy bonus, the clipped value
     # loss as above, tanh MLPs of 64 x 64 for the actor and the critic, a state-independent
