@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from {{ cookiecutter.package_name }} import evaluate
+from {{ cookiecutter.package_name }} import evaluate, recipes
 from {{ cookiecutter.package_name }}.envs import POPGYM, TrainingBatches, family_of, make_env
 
 from .conftest import PROJECT, RECIPES, command_env, read_summary, run_command, tiny_overrides
@@ -112,10 +112,11 @@ def test_discrete_observations_reach_the_networks_as_one_hot_vectors():
         assert observation[:, 0].argmax(-1).tolist() == [0, 0, 0]  # every episode starts in cell 0
 
 
-DISCRETE_OBSERVATION_RECIPES = [recipe for recipe in RECIPES if recipe in ("dqn", "ppo")]
+# FrozenLake's actions are discrete too: the recipes that take them.
+DISCRETE_ACTION_RECIPES = [name for name in RECIPES if "discrete" in recipes.load(name).Agent.action_spaces]
 
 
-@pytest.mark.parametrize("recipe", DISCRETE_OBSERVATION_RECIPES)
+@pytest.mark.parametrize("recipe", DISCRETE_ACTION_RECIPES)
 def test_a_recipe_trains_and_evaluates_on_discrete_observations(tmp_path, recipe):
     overrides = [*tiny_overrides(recipe), "env.id=FrozenLake-v1", "total_frames=1024", "eval.every=0"]
     summary = read_summary(run_command([sys.executable, "train.py", *overrides, f"run_dir={tmp_path}"]))
