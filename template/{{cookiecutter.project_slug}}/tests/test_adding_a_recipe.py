@@ -86,8 +86,9 @@ def test_the_guide_adds_a_recipe_that_trains_on_two_learners(tmp_path):
     # collector acting with a CPU copy of its policy, its RUN_DEFAULTS twice (the command
     # line wins; config.yaml leaves them to it), an env of the other kind refused,
     # --print-config's sources, its --help, its first update checked, a longer run of it
-    # kept as the same run; the guide's fabric run did the rest.
-    assert re.search(r"\b11 passed\b", tested.stdout), tested.stdout[-500:]
+    # kept as the same run, its run on one-hot discrete observations; the guide's fabric run
+    # did the rest.
+    assert re.search(r"\b12 passed\b", tested.stdout), tested.stdout[-500:]
 
     # The same recipe without what happens after backward is refused when it loads.
     start = code.index("    def optimizer_step(")
