@@ -71,6 +71,18 @@ def expected_updates(recipe: str, learners: int, frames: int = 3072) -> int:
     return steps * 2 * (256 // 128)  # 2 epochs of 128-frame minibatches
 
 
+def replay_items(recipe: str, frames: int, learners: int = 1, num_envs: int = 8) -> int:
+    """The items in replay after a run of ``frames`` (whole collector steps, nothing
+    overwritten): a transition per frame, or, for a recipe whose Config has a
+    ``sequence_length`` and an ``overlap``, each env copy's sequences at their defaults."""
+    defaults = {field.name: field.default for field in dataclasses.fields(recipes.load(recipe).Config)}
+    if "sequence_length" not in defaults:
+        return frames
+    length, stride = defaults["sequence_length"], defaults["sequence_length"] - defaults["overlap"]
+    steps = frames // (num_envs * learners)  # each copy's
+    return learners * num_envs * ((steps - length) // stride + 1 if steps >= length else 0)
+
+
 def tiny_overrides(recipe: str) -> list[str]:
     fields = {field.name for field in dataclasses.fields(recipes.load(recipe).Config)}
     algo = [f"algo.{key}={value}" for key, value in TINY_ALGO.items() if key in fields]
