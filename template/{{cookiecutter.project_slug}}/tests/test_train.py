@@ -55,7 +55,8 @@ def test_each_recipe_trains_in_one_process_and_writes_its_records(one_process_ru
     run_dir, summary = one_process_runs(recipe)
     assert summary["world_size"] == 1 and summary["roles"] == {"0": "learner"}
     assert summary["frames_collected"] == 3072
-    assert summary["replay_size"] == (replay_items(recipe, 3072) if recipes.load(recipe).Agent.uses_replay else 0)
+    uses_replay = recipes.load(recipe).Agent.uses_replay
+    assert summary["replay_size"] == (replay_items(recipe, 3072) if uses_replay else 0)
     assert summary["updates"] == expected_updates(recipe, learners=1)
     assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
     assert [row["frames"] for row in summary["eval_history"]] == [2048]

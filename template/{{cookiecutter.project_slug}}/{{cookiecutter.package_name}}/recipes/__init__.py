@@ -204,8 +204,8 @@ def update_once(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any]
         one_each = isinstance(priorities, torch.Tensor) and priorities.shape == batch.shape
         if agent.uses_replay and not one_each:
             raise broken(
-                f"forward's priorities must be a tensor of shape [{len(batch)}], one per replay item "
-                f"of the batch, got {described(priorities)}"
+                f"forward's priorities must be a tensor of shape [{len(batch)}], one per replay item, "
+                f"got {described(priorities)}"
             )
         if not agent.uses_replay and priorities is not None:
             raise broken(f"an on-policy recipe's priorities must be None, got {described(priorities)}")

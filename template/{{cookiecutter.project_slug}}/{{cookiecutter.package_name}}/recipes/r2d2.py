@@ -60,12 +60,13 @@ PRIORITY_ETA = 0.9
 # POPGym's CartPole without velocities (returns normalised to at most 1): memory is what
 # it takes. Sequences, burn-in and n-step are the paper's proportions scaled to episodes of
 # up to 200 steps (sequences of 20 overlapping by half, as the paper's 80 by 40; a quarter
-# of the sequence for burn-in; n 3 as Ape-X's on small problems); the paper's replay
-# exponents (alpha 0.9, beta 0.6); a DQN-sized Adam, epsilon and target period on CartPole.
+# of the sequence for burn-in; n 3 as Ape-X's on small problems); the paper's priority
+# exponent (alpha 0.9; its beta, 0.6, is replay.beta=0.6); a DQN-sized Adam, epsilon and
+# target period on CartPole.
 RUN_DEFAULTS = {
     "env": {"id": "popgym-PositionOnlyCartPoleEasy-v0", "num_envs": 16},
     "collector": {"frames_per_batch": 320},
-    "replay": {"alpha": 0.9, "beta": 0.6},
+    "replay": {"alpha": 0.9},
     "total_frames": 100_000,
 }
 
