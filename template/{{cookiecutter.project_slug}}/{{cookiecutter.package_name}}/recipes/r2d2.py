@@ -69,6 +69,12 @@ RUN_DEFAULTS = {
     "replay": {"alpha": 0.9},
     "total_frames": 100_000,
 }
+FAMILY_DEFAULTS = {
+    # POPGym normalises an episode's return to at most 1, spread over its steps (1/200 a
+    # step on PositionOnlyCartPoleEasy): Q values that differ by thousandths between actions.
+    # Scaled by 100, CartPole's are those of gymnasium's CartPole (1 a step, up to 2 here).
+    "popgym": {"algo": {"reward_scale": 100.0}},
+}
 
 
 @dataclass
@@ -108,6 +114,8 @@ class Config:
     """updates between copies of the Q network into the target network"""
     max_grad_norm: float | None = 10.0
     """the gradients' norm is clipped to this before each step; null: no clipping"""
+    reward_scale: float = 1.0
+    """training rewards are multiplied by this (evaluation reports the env's own)"""
 
 
 class QNetwork(nn.Module):
@@ -273,14 +281,14 @@ class Agent(nn.Module):
         observation, is_init = batch["observation"], batch[IS_INIT]
         state = tuple(batch[key] for key in STATE)
         q = self.q_network.sequences(observation, is_init, state, cfg.burn_in)
-        with torch.no_grad():
-            target_q = self.target_network.sequences(observation, is_init, state, cfg.burn_in)
+        with torch.no_grad():  # no gradients at all: one pass, burn-in included
+            target_q = self.target_network.sequences(observation, is_init, state, 0)[:, cfg.burn_in :]
             # Double Q: the online network picks the action the target network values.
             greedy = q.argmax(-1, keepdim=True)
             bootstrap = rescale_inverse(target_q.gather(-1, greedy).squeeze(-1))
             train = slice(cfg.burn_in, None)
             returns, targets_valid = n_step_targets(
-                batch["next", "reward"][:, train].squeeze(-1),
+                batch["next", "reward"][:, train].squeeze(-1) * cfg.reward_scale,
                 batch["next", "done"][:, train].squeeze(-1),
                 batch["next", "terminated"][:, train].squeeze(-1),
                 bootstrap,
