@@ -92,7 +92,10 @@ class Config:
     """discount factor"""
     batch_size: int = 32
     """sequences per update, all learners together (learners.batch)"""
-    updates_per_batch: int = 4
+    # 16 updates of 32 sequences per 320 frames train each step 24 times on average (15 of
+    # a sequence's 20 steps after the burn-in), about DQN's 32 here. With 8, POPGym's
+    # CartPole was at 0.42 after 60,000 frames; with 16 at 1.0 after 30,000 (seed 1).
+    updates_per_batch: int = 16
     """gradient updates per collector batch (frames_per_batch), all learners together"""
     learning_starts: int = 2000
     """frames (all learners) collected before the first update"""
