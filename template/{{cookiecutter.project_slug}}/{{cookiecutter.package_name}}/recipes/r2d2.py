@@ -94,7 +94,8 @@ class Config:
     """sequences per update, all learners together (learners.batch)"""
     # 16 updates of 32 sequences per 320 frames train each step 24 times on average (15 of
     # a sequence's 20 steps after the burn-in), about DQN's 32 here. With 8, POPGym's
-    # CartPole was at 0.42 after 60,000 frames; with 16 at 1.0 after 30,000 (seed 1).
+    # CartPole evaluated 0.42 at 60,000 frames; with 16, 1.0 at 30,000 (docs/benchmarks.md,
+    # "R2D2 on POPGym").
     updates_per_batch: int = 16
     """gradient updates per collector batch (frames_per_batch), all learners together"""
     learning_starts: int = 2000
