@@ -72,7 +72,8 @@ RUN_DEFAULTS = {
 FAMILY_DEFAULTS = {
     # POPGym normalises an episode's return to at most 1, spread over its steps (1/200 a
     # step on PositionOnlyCartPoleEasy): Q values that differ by thousandths between actions.
-    # Scaled by 100, CartPole's are those of gymnasium's CartPole (1 a step, up to 2 here).
+    # Scaled by 100 for training, a step there pays 0.5. Unscaled (and with 4 updates per
+    # collector batch), seed 1 stayed near 0.1 (docs/benchmarks.md, "R2D2 on POPGym").
     "popgym": {"algo": {"reward_scale": 100.0}},
 }
 
@@ -144,8 +145,8 @@ class QNetwork(nn.Module):
 
     def step(self, steps: TensorDictBase) -> TensorDictBase:
         """One LSTM step for each of ``steps`` (any shape), from the state recorded with it:
-        a tensordict with the Q values (``MEMORY`` turned into ``ACTION_VALUE``) and the
-        state after the step (``("next", key)``)."""
+        a tensordict with the Q values (``ACTION_VALUE``) and the state after the step
+        (``("next", key)``)."""
         inputs = steps.select(*STATE, IS_INIT).set(FEATURES, self.trunk(steps["observation"]))
         remembered = self.memory(inputs)
         remembered[ACTION_VALUE] = self.head(remembered[MEMORY])
@@ -234,6 +235,8 @@ class Agent(nn.Module):
             if not 0 <= getattr(cfg, name) < cfg.sequence_length:
                 value = getattr(cfg, name)
                 raise ValueError(f"r2d2: algo.{name} must be in [0, algo.sequence_length), got {value}")
+        if cfg.n_steps < 1:
+            raise ValueError(f"r2d2: algo.n_steps must be >= 1, got {cfg.n_steps}")
         self.cfg = cfg
         # Replay items are sequences of this many steps (recipes.first_batch collects as many).
         self.sequence_length = cfg.sequence_length
