@@ -131,18 +131,22 @@ def test_n_step_targets_stop_at_episode_ends_and_the_value_rescaling_inverts():
 
 @pytest.mark.slow
 def test_r2d2_trains_on_three_learners_identically_with_exact_frames_and_resumes_on_one(tmp_path):
-    """Three learners and a replay process: every frame collected once, each env copy's
-    sequences in replay, the learners identical; the run's checkpoint, its shards holding
-    sequences and their states, goes on in one process (new episodes: the steps waiting
-    for a sequence are dropped) to the frame asked for."""
+    """Three learners and two replay processes: every frame collected once, each env
+    copy's sequences in replay, each whole in one of the shards, the learners identical;
+    the run's checkpoint, its two shards of sequences and their states, goes on in one
+    process, dealt into its one shard (new episodes: the steps waiting for a sequence are
+    dropped), to the frame asked for."""
     pytest.importorskip("popgym", reason="needs the [popgym] extra")
     recipe = "r2d2"
     run_dir = tmp_path / "run"
     overrides = [*tiny_overrides(recipe), f"run_dir={run_dir}"]
-    summary = read_summary(learners_run(3, *overrides, "total_frames=3072", "checkpoint.every=3072"))
-    assert summary["roles"] == {"0": "learner", "1": "learner", "2": "learner", "3": "replay"}
+    first = [*overrides, "total_frames=3072", "checkpoint.every=3072", "replay.processes=2"]
+    summary = read_summary(learners_run(3, *first))
+    roles = {"0": "learner", "1": "learner", "2": "learner", "3": "replay", "4": "replay"}
+    assert summary["roles"] == roles
     assert summary["frames_collected"] == 3072
     assert summary["replay_size"] == replay_items(recipe, 3072, learners=3)
+    assert all(size > 0 for size in summary["replay_shard_sizes"]) and len(summary["replay_shard_sizes"]) == 2
     assert summary["updates"] == expected_updates(recipe, 3)
     assert len(set(summary["learner_param_checksums"].values())) == 1
     assert math.isfinite(summary["eval_return"])
