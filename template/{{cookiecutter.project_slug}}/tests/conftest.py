@@ -32,10 +32,20 @@ PROJECT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 RECIPES = recipes.available()
 REPLAY_RECIPES = [name for name in RECIPES if recipes.load(name).Agent.uses_replay]
-# The runtime's replay tests run with the first replay recipe; a project generated without
-# one has no replay path to test.
-REPLAY_RECIPE = REPLAY_RECIPES[0] if REPLAY_RECIPES else None
-needs_replay = pytest.mark.skipif(REPLAY_RECIPE is None, reason="this project has no replay recipe")
+
+
+def replays_sequences(recipe: str) -> bool:
+    """Whether ``recipe``'s replay items are sequences (its Config has a ``sequence_length``)."""
+    return "sequence_length" in {field.name for field in dataclasses.fields(recipes.load(recipe).Config)}
+
+
+# The runtime's replay tests run with the first replay recipe whose items are transitions
+# (they build transitions by hand, and count one item per frame); a project generated
+# without one has no such path to test (a sequence recipe's runs are in its own tests).
+TRANSITION_RECIPES = [name for name in REPLAY_RECIPES if not replays_sequences(name)]
+REPLAY_RECIPE = TRANSITION_RECIPES[0] if TRANSITION_RECIPES else None
+NO_REPLAY = "this project has no transition replay recipe"
+needs_replay = pytest.mark.skipif(REPLAY_RECIPE is None, reason=NO_REPLAY)
 
 # Tiny settings: enough steps to exercise collection, replay, updates and evaluation.
 TINY = [
@@ -75,9 +85,9 @@ def replay_items(recipe: str, frames: int, learners: int = 1, num_envs: int = 8)
     """The items in replay after a run of ``frames`` (whole collector steps, nothing
     overwritten): a transition per frame, or, for a recipe whose Config has a
     ``sequence_length`` and an ``overlap``, each env copy's sequences at their defaults."""
-    defaults = {field.name: field.default for field in dataclasses.fields(recipes.load(recipe).Config)}
-    if "sequence_length" not in defaults:
+    if not replays_sequences(recipe):
         return frames
+    defaults = {field.name: field.default for field in dataclasses.fields(recipes.load(recipe).Config)}
     length, stride = defaults["sequence_length"], defaults["sequence_length"] - defaults["overlap"]
     steps = frames // (num_envs * learners)  # each copy's
     return learners * num_envs * ((steps - length) // stride + 1 if steps >= length else 0)
@@ -318,5 +328,5 @@ def pong_batches(envs: int = 2, steps: int = 20, batches: int = 4) -> list[Tenso
 def tiny() -> list[str]:
     """Tiny overrides for the runtime's replay tests (skipped without a replay recipe)."""
     if REPLAY_RECIPE is None:
-        pytest.skip("this project has no replay recipe")
+        pytest.skip(NO_REPLAY)
     return tiny_overrides(REPLAY_RECIPE)

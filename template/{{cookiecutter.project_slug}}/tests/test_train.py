@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 import socket
@@ -26,6 +25,7 @@ from .conftest import (
     learners_run,
     read_summary,
     replay_items,
+    replays_sequences,
     run_command,
     tiny_overrides,
 )
@@ -157,11 +157,7 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
 # A recipe that replays sequences (R2D2's LSTM, stepped through each sequence) compiles
 # for minutes on 2 CPU cores: 156 s in one process of 1,536 frames; three learners and a
 # resume ran past the run's 300 s. Its runs here are eager.
-COMPILED = [
-    name
-    for name in RECIPES
-    if "sequence_length" not in {field.name for field in dataclasses.fields(recipes.load(name).Config)}
-]
+COMPILED = [name for name in RECIPES if not replays_sequences(name)]
 
 
 @pytest.mark.slow
