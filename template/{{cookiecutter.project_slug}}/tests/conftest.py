@@ -46,6 +46,10 @@ TRANSITION_RECIPES = [name for name in REPLAY_RECIPES if not replays_sequences(n
 REPLAY_RECIPE = TRANSITION_RECIPES[0] if TRANSITION_RECIPES else None
 NO_REPLAY = "this project has no transition replay recipe"
 needs_replay = pytest.mark.skipif(REPLAY_RECIPE is None, reason=NO_REPLAY)
+# The recipe that the tests of faults, restarts, SLURM and checkpointed runs train: the
+# first transition replay recipe, else the first on-policy one (their counts assume either).
+RUNTIME_RECIPE = REPLAY_RECIPE or next((name for name in RECIPES if name not in REPLAY_RECIPES), None)
+needs_runtime_recipe = pytest.mark.skipif(RUNTIME_RECIPE is None, reason="all recipes replay sequences")
 
 # Tiny settings: enough steps to exercise collection, replay, updates and evaluation.
 TINY = [
