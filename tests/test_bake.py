@@ -95,7 +95,7 @@ def test_generated_code_is_lint_clean(cookies):
     [
         ({"package_name": "1bad-name"}, "package_name '1bad-name' is not a valid Python package name"),
         ({"package_name": "class"}, "package_name 'class' is not a valid Python package name"),
-        ({"recipes": "dqn,nosuch"}, "recipes 'dqn,nosuch' must name some of: dqn, ppo, sac"),
+        ({"recipes": "dqn,nosuch"}, "recipes 'dqn,nosuch' must name some of: dqn, ppo, r2d2, sac"),
         ({"recipes": " , "}, "recipes ' , ' names no recipe"),
         ({"recipes": "dqn", "default_recipe": "ppo"}, "default_recipe 'ppo' is not among the chosen recipes"),
     ],

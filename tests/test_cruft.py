@@ -104,5 +104,5 @@ def test_cruft_create_with_an_unknown_recipe_fails_cleanly_and_leaves_nothing(tm
         "--output-dir", str(output), "--extra-context", json.dumps({"recipes": "dqn,nosuch"}),
     )  # fmt: skip
     assert created.returncode != 0
-    assert "error: recipes 'dqn,nosuch' must name some of: dqn, ppo, sac, td3" in created.stderr
+    assert "error: recipes 'dqn,nosuch' must name some of: dqn, ppo, r2d2, sac, td3" in created.stderr
     assert list(output.iterdir()) == []

@@ -13,6 +13,7 @@ import gymnasium as gym
 import pytest
 import torch
 from torchrl.envs import GymWrapper
+from torchrl.modules import get_env_transforms_from_module, get_primers_from_module
 
 from .conftest import REPO
 
@@ -48,9 +49,11 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     recipe = load(name)
     assert dataclasses.is_dataclass(recipe.Config)
     defaults = recipe.RUN_DEFAULTS
-    assert (
-        {"env", "collector", "total_frames"} <= set(defaults) <= {"env", "collector", "total_frames", "algo"}
-    )
+    assert {"env", "collector", "total_frames"} <= set(defaults) <= {
+        "env", "collector", "total_frames", "algo", "replay"
+    }  # fmt: skip
+    # config.yaml sets the replay's other keys, and it sits over the run defaults.
+    assert set(defaults.get("replay", {})) <= {"alpha", "batches_per_request"}
     assert defaults["collector"]["frames_per_batch"] % defaults["env"]["num_envs"] == 0
     fields = {field.name for field in dataclasses.fields(recipe.Config)}
     needed = (
@@ -60,6 +63,8 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     )
     assert needed <= fields
 
+    if defaults["env"]["id"].startswith("popgym-"):  # POPGym registers its ids when imported
+        gym.register_envs(pytest.importorskip("popgym"))
     env = GymWrapper(
         gym.make_vec(
             defaults["env"]["id"],
@@ -74,17 +79,24 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
         assert hasattr(agent, attribute), attribute
     assert set(recipe.Agent.action_spaces) <= {"discrete", "continuous"} and recipe.Agent.action_spaces
 
+    # A policy with an LSTM: its state and is_init in every step, as the project's make_env adds them.
+    if get_primers_from_module(agent.policy, warn=False) is not None:
+        env = env.append_transform(get_env_transforms_from_module(agent.policy))
+    # A recipe replaying sequences needs one sequence's steps.
+    steps = max(16, getattr(agent, "sequence_length", 0))
     with torch.no_grad():  # as the runtime's collector
-        batch = env.rollout(16, agent.policy, break_when_any_done=False)  # [2 envs, 16 steps]
-    agent.after_collect(batch, 32, lambda values: values)  # one learner: its own sums
-    batch = batch.reshape(-1)
-    if recipe.Agent.uses_replay:
-        batch = batch.select(*agent.batch_keys)
+        batch = env.rollout(steps, agent.policy, break_when_any_done=False)  # [2 envs, steps]
+    agent.after_collect(batch, batch.numel(), lambda values: values)  # one learner: its own sums
+    if recipe.Agent.uses_replay:  # as replay stores and samples them: transitions, or sequences
+        make_items = getattr(agent, "replay_items", None)
+        batch = make_items(batch) if make_items else batch.reshape(-1).select(*agent.batch_keys)
         batch["priority_weight"] = torch.ones(batch.shape)
+    else:
+        batch = batch.reshape(-1)
     loss, priorities, metrics = agent(batch)
     assert loss.ndim == 0 and torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
     if recipe.Agent.uses_replay:
-        assert priorities.numel() == 32 and torch.isfinite(priorities).all()
+        assert priorities.shape == batch.shape and torch.isfinite(priorities).all()
     else:
         assert priorities is None
     optimizers = agent.make_optimizers()

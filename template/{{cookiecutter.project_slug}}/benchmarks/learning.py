@@ -37,6 +37,9 @@ TARGETS = {
 {%- if "ppo" in recipes %}
     "ppo": 475.0,
 {%- endif %}
+{%- if "r2d2" in recipes %}
+    "r2d2": 0.95,  # POPGym's returns: at most 1.0
+{%- endif %}
 {%- if "sac" in recipes %}
     "sac": -200.0,
 {%- endif %}

@@ -32,10 +32,24 @@ PROJECT = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 RECIPES = recipes.available()
 REPLAY_RECIPES = [name for name in RECIPES if recipes.load(name).Agent.uses_replay]
-# The runtime's replay tests run with the first replay recipe; a project generated without
-# one has no replay path to test.
-REPLAY_RECIPE = REPLAY_RECIPES[0] if REPLAY_RECIPES else None
-needs_replay = pytest.mark.skipif(REPLAY_RECIPE is None, reason="this project has no replay recipe")
+
+
+def replays_sequences(recipe: str) -> bool:
+    """Whether ``recipe``'s replay items are sequences (its Config has a ``sequence_length``)."""
+    return "sequence_length" in {field.name for field in dataclasses.fields(recipes.load(recipe).Config)}
+
+
+# The runtime's replay tests run with the first replay recipe whose items are transitions
+# (they build transitions by hand, and count one item per frame); a project generated
+# without one has no such path to test (a sequence recipe's runs are in its own tests).
+TRANSITION_RECIPES = [name for name in REPLAY_RECIPES if not replays_sequences(name)]
+REPLAY_RECIPE = TRANSITION_RECIPES[0] if TRANSITION_RECIPES else None
+NO_REPLAY = "this project has no transition replay recipe"
+needs_replay = pytest.mark.skipif(REPLAY_RECIPE is None, reason=NO_REPLAY)
+# The recipe that the tests of faults, restarts, SLURM and checkpointed runs train: the
+# first transition replay recipe, else the first on-policy one (their counts assume either).
+RUNTIME_RECIPE = REPLAY_RECIPE or next((name for name in RECIPES if name not in REPLAY_RECIPES), None)
+needs_runtime_recipe = pytest.mark.skipif(RUNTIME_RECIPE is None, reason="all recipes replay sequences")
 
 # Tiny settings: enough steps to exercise collection, replay, updates and evaluation.
 TINY = [
@@ -69,6 +83,18 @@ def expected_updates(recipe: str, learners: int, frames: int = 3072) -> int:
         # once 1024 frames (all learners together) are in.
         return 4 * learners * sum(1 for step in range(1, steps + 1) if step * 256 * learners >= 1024)
     return steps * 2 * (256 // 128)  # 2 epochs of 128-frame minibatches
+
+
+def replay_items(recipe: str, frames: int, learners: int = 1, num_envs: int = 8) -> int:
+    """The items in replay after a run of ``frames`` (whole collector steps, nothing
+    overwritten): a transition per frame, or, for a recipe whose Config has a
+    ``sequence_length`` and an ``overlap``, each env copy's sequences at their defaults."""
+    if not replays_sequences(recipe):
+        return frames
+    defaults = {field.name: field.default for field in dataclasses.fields(recipes.load(recipe).Config)}
+    length, stride = defaults["sequence_length"], defaults["sequence_length"] - defaults["overlap"]
+    steps = frames // (num_envs * learners)  # each copy's
+    return learners * num_envs * ((steps - length) // stride + 1 if steps >= length else 0)
 
 
 def tiny_overrides(recipe: str) -> list[str]:
@@ -306,5 +332,5 @@ def pong_batches(envs: int = 2, steps: int = 20, batches: int = 4) -> list[Tenso
 def tiny() -> list[str]:
     """Tiny overrides for the runtime's replay tests (skipped without a replay recipe)."""
     if REPLAY_RECIPE is None:
-        pytest.skip("this project has no replay recipe")
+        pytest.skip(NO_REPLAY)
     return tiny_overrides(REPLAY_RECIPE)

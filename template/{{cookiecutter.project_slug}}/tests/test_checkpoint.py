@@ -27,10 +27,12 @@ from {{ cookiecutter.package_name }}.replay import ReplayShard
 from .conftest import (
     RECIPES,
     REPLAY_RECIPE,
+    RUNTIME_RECIPE,
     expected_updates,
     fabric_command,
     launch,
     needs_replay,
+    needs_runtime_recipe,
     processes_of,
     read_summary,
     run_command,
@@ -278,11 +280,12 @@ SAME_RUN_LINE = (
 )
 
 
+@needs_runtime_recipe
 def test_a_run_dir_holds_one_run_and_refuses_another_configuration_in_one_line(tmp_path):
     """A run's records (config.yaml) name its configuration: another seed in the same run_dir
     is refused with exit code 2 and the records stay; the same run with other
     total_frames, eval, logging or learners is not."""
-    recipe = REPLAY_RECIPE or RECIPES[0]
+    recipe = RUNTIME_RECIPE
     run_dir = tmp_path / "run"
     overrides = [*tiny_overrides(recipe), "total_frames=512", "eval.episodes=2", f"run_dir={run_dir}"]
     read_summary(run_command([sys.executable, "train.py", *overrides]))
@@ -312,11 +315,12 @@ def test_a_longer_run_is_the_same_run_though_its_schedules_follow_total_frames(t
     assert checkpoint.other_run(other_seed) == ["seed 0 -> 5"]
 
 
+@needs_runtime_recipe
 @pytest.mark.slow
 def test_a_default_run_stopped_by_ctrl_c_goes_on_with_resume_auto_from_the_frame_it_stopped_at(tmp_path):
     """checkpoint.every at its default (none): the stop writes the checkpoint. Under `fabric
     run` Ctrl-C reaches the launcher, which passes it on to its ranks."""
-    recipe = REPLAY_RECIPE or RECIPES[0]
+    recipe = RUNTIME_RECIPE
     run_dir = tmp_path / "run"
     overrides = [*tiny_overrides(recipe), "resume=auto", f"run_dir={run_dir}"]
     stopped = launch(fabric_command(2, "train.py", *overrides, "total_frames=10000000"))
@@ -353,9 +357,10 @@ def test_a_default_run_stopped_by_ctrl_c_goes_on_with_resume_auto_from_the_frame
     assert len(set(summary["learner_param_checksums"].values())) == 1
 
 
+@needs_runtime_recipe
 @pytest.mark.slow
 def test_a_run_killed_mid_training_goes_on_from_its_last_checkpoint(tmp_path):
-    recipe = REPLAY_RECIPE or RECIPES[0]
+    recipe = RUNTIME_RECIPE
     run_dir = tmp_path / "run"
     # 4608 frames: whole steps of 256 frames for 2 learners.
     overrides = [*tiny_overrides(recipe), "total_frames=4608", "checkpoint.every=1024", f"run_dir={run_dir}"]

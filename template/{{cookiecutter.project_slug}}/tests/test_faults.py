@@ -23,22 +23,25 @@ from {{ cookiecutter.package_name }}.distributed.topology import Topology
 from .conftest import (
     RECIPES,
     REPLAY_RECIPE,
+    RUNTIME_RECIPE,
     environment_of,
     fabric_command,
     fabric_launcher_env,
     free_port,
     launch,
+    needs_runtime_recipe,
     processes_of,
     run_command,
     tiny_overrides,
 )
 
-RECIPE = REPLAY_RECIPE or RECIPES[0]
+RECIPE = RUNTIME_RECIPE
+pytestmark = needs_runtime_recipe
 # Three processes: two learners and a replay process, or three learners (on-policy).
 DEVICES = 2 if REPLAY_RECIPE is not None else 3
 LEARNERS = list(range(DEVICES))
 # Long enough to be mid-training when the test strikes; short heartbeats to notice quickly.
-LONG_RUN = [*tiny_overrides(RECIPE), "total_frames=10000000", "rpc.heartbeat_timeout=5"]
+LONG_RUN = [*(tiny_overrides(RECIPE) if RECIPE else []), "total_frames=10000000", "rpc.heartbeat_timeout=5"]
 
 
 LISTEN = "0A"  # the TCP state of a listening socket in /proc/net/tcp

@@ -165,17 +165,17 @@ MISTAKES = {
     "float_priorities": (
         "errors.detach(), {",
         "errors.mean().item(), {",
-        "forward's priorities must be a tensor of shape [4] for a batch of 4 transitions, got a float",
+        "forward's priorities must be a tensor of shape [4], one per replay item, got a float",
     ),
     "scalar_priorities": (
         "errors.detach(), {",
         "errors.mean().detach(), {",
-        "forward's priorities must be a tensor of shape [4] for a batch of 4 transitions, got shape []",
+        "forward's priorities must be a tensor of shape [4], one per replay item, got shape []",
     ),
     "column_priorities": (
         "errors.detach(), {",
         "errors.detach().unsqueeze(-1), {",
-        "forward's priorities must be a tensor of shape [4] for a batch of 4 transitions, got shape [4, 1]",
+        "forward's priorities must be a tensor of shape [4], one per replay item, got shape [4, 1]",
     ),
     "loss_per_transition": (
         'batch["priority_weight"]).mean()',

@@ -19,16 +19,18 @@ import pytest
 from {{ cookiecutter.package_name }} import checkpoint
 
 from .conftest import (
-    RECIPES,
     REPLAY_RECIPE,
+    RUNTIME_RECIPE,
     free_port,
     launch,
+    needs_runtime_recipe,
     processes_of,
     tiny_overrides,
 )
 from .test_faults import finish, parent_of
 
-RECIPE = REPLAY_RECIPE or RECIPES[0]
+RECIPE = RUNTIME_RECIPE
+pytestmark = needs_runtime_recipe
 EVERY = 2048  # frames between checkpoints: the most a failure may cost
 FRAMES = 12288  # 24 steps of 2 learners x 256 frames
 

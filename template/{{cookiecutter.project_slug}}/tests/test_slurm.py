@@ -27,9 +27,18 @@ import pytest
 
 from {{ cookiecutter.package_name }} import checkpoint, recipes
 
-from .conftest import PROJECT, RECIPES, REPLAY_RECIPE, command_env, free_port, processes_of, tiny_overrides
+from .conftest import (
+    PROJECT,
+    RUNTIME_RECIPE,
+    command_env,
+    free_port,
+    needs_runtime_recipe,
+    processes_of,
+    tiny_overrides,
+)
 
-RECIPE = REPLAY_RECIPE or RECIPES[0]
+RECIPE = RUNTIME_RECIPE
+pytestmark = needs_runtime_recipe
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 EVERY = 2048  # frames between checkpoints: the most the killed rank may cost
 # About 90 s of training here (0.7 s per step of 512 frames, each of the 2 learners making

@@ -93,7 +93,8 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
         learner.count(batch, learner.frames_per_step)
         with phase("after_collect"):
             agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
-        replay.extend(batch.select(*agent.batch_keys))  # asynchronous; stacked frames go once
+        # Transitions, or a sequence recipe's sequences; asynchronous; stacked frames go once.
+        replay.extend(recipes.replay_items(agent, batch))
         if learner.frames >= learning_starts:
             if replay.sampled == 0:
                 replay.flush()  # the first sample must see this learner's own frames

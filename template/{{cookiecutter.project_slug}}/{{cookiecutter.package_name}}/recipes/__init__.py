@@ -24,6 +24,9 @@ tested on its own, and a project keeps only the recipes it was made with. It def
     records a CUDA graph per path and would otherwise replay the first one at every update.
     An on-policy Agent whose ``forward`` reads whole env-copy sequences (an LSTM's) says so
     in a ``recurrent`` attribute: its minibatches are then ``[copies, steps]``, in time order.
+    A replay Agent whose items are not single transitions (R2D2's sequences) makes them in
+    a ``replay_items(batch)`` method from each collector batch ``[copies, steps]``, and
+    says how many steps ``check_update`` must collect for one in ``sequence_length``.
 
 ``load`` checks all of this when a recipe loads and names what is missing in one line;
 ``check_update`` then makes one update of a fresh Agent on a few transitions before a run
@@ -201,8 +204,8 @@ def update_once(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any]
         one_each = isinstance(priorities, torch.Tensor) and priorities.shape == batch.shape
         if agent.uses_replay and not one_each:
             raise broken(
-                f"forward's priorities must be a tensor of shape [{len(batch)}] for a batch of "
-                f"{len(batch)} transitions, got {described(priorities)}"
+                f"forward's priorities must be a tensor of shape [{len(batch)}], one per replay item, "
+                f"got {described(priorities)}"
             )
         if not agent.uses_replay and priorities is not None:
             raise broken(f"an on-policy recipe's priorities must be None, got {described(priorities)}")
@@ -219,19 +222,29 @@ def update_once(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any]
 
 def first_batch(agent: torch.nn.Module, copies: EnvBase, env: Mapping[str, Any]) -> TensorDictBase:
     """What ``agent``'s first update trains on, in small: ``CHECK_STEPS`` steps of the env
-    ``copies`` (made from the run's ``env`` config) as a collector takes them with its
-    policy, after ``after_collect``; as replay samples them (``batch_keys``,
-    ``priority_weight``), or as an on-policy minibatch."""
+    ``copies`` (made from the run's ``env`` config; a sequence's worth for an agent with a
+    ``sequence_length``) as a collector takes them with its policy, after
+    ``after_collect``; as replay samples them (``replay_items``, ``priority_weight``), or as
+    an on-policy minibatch."""
     copies = with_recurrent_state(copies, agent.policy)
+    steps = max(CHECK_STEPS, getattr(agent, "sequence_length", 0))
     with torch.no_grad(), set_exploration_type(ExplorationType.RANDOM):
-        batch = copies.rollout(CHECK_STEPS, agent.policy, break_when_any_done=False)
+        batch = copies.rollout(steps, agent.policy, break_when_any_done=False)
     batch = TrainingBatches(env.get("clip_rewards", False), env.get("life_loss", False))(batch)
     agent.after_collect(batch, batch.numel(), lambda tensor: tensor)
     if not agent.uses_replay:
         return batch if recurrent(agent) else batch.reshape(-1)
-    batch = batch.select(*agent.batch_keys).reshape(-1)
+    batch = replay_items(agent, batch).reshape(-1)
     batch["priority_weight"] = torch.ones(batch.shape)
     return batch
+
+
+def replay_items(agent: torch.nn.Module, batch: TensorDictBase) -> TensorDictBase:
+    """What a replay ``agent``'s learner writes to replay of a collector batch ``[copies,
+    steps]``: the items its optional ``replay_items`` method makes (R2D2's sequences,
+    ``[sequences]``), or each step's ``batch_keys`` (transitions)."""
+    make = getattr(agent, "replay_items", None)
+    return make(batch) if make is not None else batch.select(*agent.batch_keys)
 
 
 def recurrent(agent: torch.nn.Module) -> bool:

@@ -105,13 +105,15 @@ class ReplayClient:
         self._writer = uuid.uuid4().hex  # names this client's streams and reply slots on the shards
         self._newest: dict[int, torch.Tensor] = {}  # env copy -> the next observation last written
         self._frame_writes: dict[int, torch.futures.Future] = {}  # shard -> its last frame write
-        self.inserted = 0  # transitions this client wrote
-        self.sampled = 0  # transitions it sampled
+        self.inserted = 0  # items (transitions, or sequences) this client wrote
+        self.sampled = 0  # items it sampled
 
     @timed("replay_insert")
     def extend(self, transitions: TensorDictBase) -> None:
-        """Write a collector batch ``[env copies, steps]`` (or flat transitions) to the
-        shards, asynchronously."""
+        """Write a collector batch ``[env copies, steps]`` (or flat replay items: transitions
+        or sequences) to the shards, asynchronously."""
+        if transitions.numel() == 0:  # a sequence recipe's batch that completed no sequence
+            return
         self.inserted += transitions.numel()
         if self._frame_stack is None:
             self._frame_stack = is_frame_stack(transitions)

@@ -1,0 +1,160 @@
+"""The R2D2 recipe: sequences cut from real collector batches, the recurrent state they
+keep, its targets; a run on three learners and a replay process, resumed on one."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+from torchrl.collectors import Collector
+
+from {{ cookiecutter.package_name }}.envs import make_env
+from {{ cookiecutter.package_name }}.recipes import r2d2
+
+from .conftest import expected_updates, learners_run, read_summary, replay_items, run_command, tiny_overrides
+
+POPGYM_CARTPOLE = "popgym-PositionOnlyCartPoleEasy-v0"
+# 16 steps a batch and a stride of 7: sequences start anywhere in a batch, and some steps
+# wait for the next one. Random actions end CartPole's episodes within ~20 steps: many
+# sequences hold an episode's start after their first step.
+COPIES, STEPS, BATCHES = 3, 16, 6
+LENGTH, OVERLAP = 10, 3
+
+
+@pytest.fixture(scope="module")
+def collected():
+    """A small agent, the collector batches it acted in (epsilon 1: random actions, the
+    LSTM still stepping), and the items ``replay_items`` made of each batch in turn."""
+    pytest.importorskip("popgym", reason="needs the [popgym] extra")
+    torch.manual_seed(0)
+    cfg = r2d2.Config(hidden_sizes=[16], lstm_hidden_size=8, sequence_length=LENGTH, overlap=OVERLAP)
+    spec_env = make_env(POPGYM_CARTPOLE, COPIES, seed=0)
+    agent = r2d2.Agent(cfg, spec_env)
+    spec_env.close()
+    env = make_env(POPGYM_CARTPOLE, COPIES, seed=0, policy=agent.policy)
+    collector = Collector(
+        env, agent.policy, frames_per_batch=COPIES * STEPS, total_frames=COPIES * STEPS * BATCHES,
+        track_traj_ids=False, auto_register_policy_transforms=False, use_buffers=False,
+    )  # fmt: skip
+    batches, items = [], []
+    with torch.no_grad():
+        for batch in collector:
+            batches.append(batch.clone())
+            items.append(agent.replay_items(batch))
+    collector.shutdown()
+    return agent, batches, items
+
+
+def test_sequences_overlap_as_configured_and_never_miss_or_repeat_a_step_across_batches(collected):
+    """Each copy's stream, read back from the batches joined in time, is cut every
+    ``LENGTH - OVERLAP`` steps into ``LENGTH``-step sequences, in order, across batches."""
+    _, batches, items = collected
+    stream = torch.cat(batches, 1)  # [copies, all steps]
+    stride = LENGTH - OVERLAP
+    starts = range(0, STEPS * BATCHES - LENGTH + 1, stride)
+    cut = torch.cat(items)  # batch after batch, each copy after copy
+    assert len(cut) == COPIES * len(starts)
+    expected = {copy: [stream[copy, start : start + LENGTH] for start in starts] for copy in range(COPIES)}
+    taken = {copy: [] for copy in range(COPIES)}
+    for batch_items in items:
+        for copy, sequences in enumerate(batch_items.split(len(batch_items) // COPIES)):
+            taken[copy].extend(sequences.unbind(0))
+    for copy in range(COPIES):
+        assert len(taken[copy]) == len(starts)
+        for sequence, window in zip(taken[copy], expected[copy], strict=True):
+            assert torch.equal(sequence["observation"], window["observation"])
+            assert torch.equal(sequence["action"], window["action"])
+            assert torch.equal(sequence["next", "reward"], window["next", "reward"])
+            assert torch.equal(sequence[r2d2.IS_INIT], window[r2d2.IS_INIT])
+    # A batch gives the sequences it completes: after 16, 32, ... steps, those starting at
+    # 0; 7, 14, 21; 28, 35; ...
+    assert [len(batch_items) // COPIES for batch_items in items] == [1, 3, 2, 2, 3, 2]
+
+
+def test_the_state_kept_with_a_sequence_is_the_one_the_collector_acted_from(collected):
+    """The state carried from one collector batch to the next, zeroed at episode starts;
+    each sequence's stored state is its first step's; and the LSTM run through the
+    sequence from it (resetting at episode starts inside) gives the Q values the collector
+    acted on at every step."""
+    agent, batches, items = collected
+    for before, after in zip(batches, batches[1:], strict=False):
+        for key in r2d2.STATE:
+            carried = before["next", key][:, -1]
+            first = after[key][:, 0]
+            restarted = after[r2d2.IS_INIT][:, 0].squeeze(-1)
+            assert torch.equal(first[~restarted], carried[~restarted])
+            assert not first[restarted].any()
+    stream = torch.cat(batches, 1)
+    stride = LENGTH - OVERLAP
+    sequences = torch.cat(items)
+    assert sequences[r2d2.IS_INIT][:, 1:].any(), "no sequence crosses an episode's start"
+    with torch.no_grad():
+        q = agent.q_network.sequences(
+            sequences["observation"], sequences[r2d2.IS_INIT], tuple(sequences[key] for key in r2d2.STATE), 0
+        )
+    # The items came batch after batch, copy after copy: each copy's k-th starts at k * stride.
+    position, seen = 0, [0] * COPIES
+    for batch_items in items:
+        for copy in range(COPIES):
+            for _ in range(len(batch_items) // COPIES):
+                start = seen[copy] * stride
+                window = stream[copy, start : start + LENGTH]
+                for key in r2d2.STATE:
+                    assert torch.equal(sequences[position][key], window[key][0])
+                torch.testing.assert_close(q[position], window[r2d2.ACTION_VALUE])
+                seen[copy] += 1
+                position += 1
+
+
+def test_n_step_targets_stop_at_episode_ends_and_the_value_rescaling_inverts():
+    gamma, n = 0.5, 2
+    reward = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    # Step 1 terminates its episode; step 3 is cut by a time limit (done, not terminated).
+    done = torch.tensor([[False, True, False, True, False]])
+    terminated = torch.tensor([[False, True, False, False, False]])
+    bootstrap = torch.tensor([[10.0, 20.0, 30.0, 40.0, 50.0]])
+    returns, valid = r2d2.n_step_targets(reward, done, terminated, bootstrap, gamma, n)
+    # t=0: r0 + g r1, ends at the termination; t=1: r1; t=2: r2 + g r3, cut by the time
+    # limit: no target; t=3: cut at once; t=4: t + n beyond the sequence.
+    assert valid.tolist() == [[True, True, False, False, False]]
+    assert returns[0, :2].tolist() == [1.0 + 0.5 * 2.0, 2.0]
+    running = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    returns, valid = r2d2.n_step_targets(running, running.bool() & False, running.bool() & False,
+                                         bootstrap.new_tensor([[1, 2, 3, 4, 5, 6.0]]), gamma, n)  # fmt: skip
+    assert valid.tolist() == [[True, True, True, True, False, False]]
+    assert returns[0, 0].item() == 1 + 0.5 + 0.25 * 3  # bootstraps from step t + 2
+    values = torch.linspace(-500, 500, 101)
+    torch.testing.assert_close(r2d2.rescale_inverse(r2d2.rescale(values)), values, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_r2d2_trains_on_three_learners_identically_with_exact_frames_and_resumes_on_one(tmp_path):
+    """Three learners and two replay processes: every frame collected once, each env
+    copy's sequences in replay, each whole in one of the shards, the learners identical;
+    the run's checkpoint, its two shards of sequences and their states, goes on in one
+    process, dealt into its one shard (new episodes: the steps waiting for a sequence are
+    dropped), to the frame asked for."""
+    pytest.importorskip("popgym", reason="needs the [popgym] extra")
+    recipe = "r2d2"
+    run_dir = tmp_path / "run"
+    overrides = [*tiny_overrides(recipe), f"run_dir={run_dir}"]
+    first = [*overrides, "total_frames=3072", "checkpoint.every=3072", "replay.processes=2"]
+    summary = read_summary(learners_run(3, *first))
+    roles = {"0": "learner", "1": "learner", "2": "learner", "3": "replay", "4": "replay"}
+    assert summary["roles"] == roles
+    assert summary["frames_collected"] == 3072
+    assert summary["replay_size"] == replay_items(recipe, 3072, learners=3)
+    assert all(size > 0 for size in summary["replay_shard_sizes"]) and len(summary["replay_shard_sizes"]) == 2
+    assert summary["updates"] == expected_updates(recipe, 3)
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+    assert math.isfinite(summary["eval_return"])
+
+    result = run_command([sys.executable, "train.py", *overrides, "total_frames=4608", "resume=auto"])
+    resumed = read_summary(result)
+    assert "replay restored" in result.stderr
+    assert resumed["frames_collected"] == 4608
+    assert resumed["replay_size"] == summary["replay_size"] + replay_items(recipe, 4608 - 3072)
+    assert resumed["updates"] == summary["updates"] + (4608 - 3072) // 256 * 4
+    assert math.isfinite(resumed["eval_return"])
