@@ -73,6 +73,23 @@ def test_sequences_overlap_as_configured_and_never_miss_or_repeat_a_step_across_
     assert [len(batch_items) // COPIES for batch_items in items] == [1, 3, 2, 2, 3, 2]
 
 
+def test_a_batch_shorter_than_a_sequence_completes_none_and_its_steps_wait(collected):
+    """Sequences longer than a collector batch: the first batch gives no item (replay
+    takes it as nothing), and its steps start the first sequence the next batch completes."""
+    _, batches, _ = collected
+    cfg = r2d2.Config(hidden_sizes=[16], lstm_hidden_size=8, sequence_length=STEPS + 4, overlap=OVERLAP)
+    spec_env = make_env(POPGYM_CARTPOLE, COPIES, seed=0)
+    agent = r2d2.Agent(cfg, spec_env)
+    spec_env.close()
+    items = [agent.replay_items(batch) for batch in batches]
+    assert items[0].batch_size == torch.Size([0])
+    stream = torch.cat(batches, 1)
+    assert len(items[1]) == COPIES
+    assert torch.equal(items[1]["observation"], stream[:, : STEPS + 4]["observation"])
+    starts = range(0, STEPS * BATCHES - cfg.sequence_length + 1, cfg.sequence_length - OVERLAP)
+    assert sum(len(batch_items) for batch_items in items) == COPIES * len(starts)
+
+
 def test_the_state_kept_with_a_sequence_is_the_one_the_collector_acted_from(collected):
     """The state carried from one collector batch to the next, zeroed at episode starts;
     each sequence's stored state is its first step's; and the LSTM run through the

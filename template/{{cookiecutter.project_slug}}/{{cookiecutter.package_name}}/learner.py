@@ -95,7 +95,9 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
             agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
         # Transitions, or a sequence recipe's sequences; asynchronous; stacked frames go once.
         replay.extend(recipes.replay_items(agent, batch))
-        if learner.frames >= learning_starts:
+        # A sequence recipe's first items come sequence_length steps in, whatever
+        # learning_starts says; every learner cuts as many, so all agree when to start.
+        if learner.frames >= learning_starts and replay.inserted:
             if replay.sampled == 0:
                 replay.flush()  # the first sample must see this learner's own frames
             for _ in range(learner.updates_per_step):

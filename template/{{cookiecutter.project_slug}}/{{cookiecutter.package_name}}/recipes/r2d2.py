@@ -269,8 +269,8 @@ class Agent(nn.Module):
         stride = cfg.sequence_length - cfg.overlap
         starts = range(0, steps.shape[1] - cfg.sequence_length + 1, stride)
         self.pending = steps[:, len(starts) * stride :].clone()
-        if not starts:
-            return steps[:, :0].reshape(-1)
+        if not starts:  # no sequence complete yet: replay takes an empty batch as nothing
+            return TensorDict(batch_size=[0])
         cut = torch.stack([steps[:, start : start + cfg.sequence_length] for start in starts], 1)
         cut = cut.reshape(-1, cfg.sequence_length)
         items = cut.exclude(*STATE)

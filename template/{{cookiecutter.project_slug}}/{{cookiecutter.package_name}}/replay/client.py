@@ -112,7 +112,7 @@ class ReplayClient:
     def extend(self, transitions: TensorDictBase) -> None:
         """Write a collector batch ``[env copies, steps]`` (or flat replay items: transitions
         or sequences) to the shards, asynchronously."""
-        if transitions.numel() == 0:  # a sequence recipe's batch that completed no sequence
+        if transitions.batch_size.numel() == 0:  # a sequence recipe's batch that completed no sequence
             return
         self.inserted += transitions.numel()
         if self._frame_stack is None:
