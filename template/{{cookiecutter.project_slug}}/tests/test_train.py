@@ -158,10 +158,15 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
 # for minutes on 2 CPU cores: 156 s in one process of 1,536 frames; three learners and a
 # resume ran past the run's 300 s. Its runs here are eager.
 COMPILED = [name for name in RECIPES if not replays_sequences(name)]
+# Each rank compiles on its own, which is most of a compiled run's time here: three learners
+# and a resume for one recipe (the first transition replay recipe, collecting with worker
+# processes), one process for each of the others.
+ON_THREE_LEARNERS = sorted(COMPILED, key=lambda name: name != REPLAY_RECIPE)[:1]
+IN_ONE_PROCESS = [name for name in COMPILED if name not in ON_THREE_LEARNERS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", COMPILED)
+@pytest.mark.parametrize("recipe", ON_THREE_LEARNERS)
 def test_a_compiled_loss_trains_on_three_learners_and_resumes_on_one(tmp_path, monkeypatch, recipe):
     """compile=true: torch.compile around DDP keeps the learners identical, compiles the
     loss once for each update path and never again, times its compiling apart, and its
@@ -189,6 +194,23 @@ def test_a_compiled_loss_trains_on_three_learners_and_resumes_on_one(tmp_path, m
     assert resumed["resumed_from"] == str(run_dir / "checkpoints" / "frames-000000001536")
     assert resumed["frames_collected"] == 3072 and resumed["updates"] > first["updates"]
     assert resumed["compile_s"] > 0 and math.isfinite(resumed["eval_return"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", IN_ONE_PROCESS)
+def test_each_recipe_compiles_its_loss_once_for_each_update_path(tmp_path, monkeypatch, recipe):
+    """compile=true in one process: the recipe's loss compiles once for each update path
+    and never again, its compiling timed apart, and the run trains to its end."""
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")
+    recompiles = 1 if hasattr(recipes.load(recipe).Agent, "update_path") else 0
+    compiled = [*tiny_overrides(recipe), "compile=true", "total_frames=1536", f"run_dir={tmp_path}"]
+    result = run_command([sys.executable, "train.py", *compiled])
+    summary = read_summary(result)
+    assert result.stderr.count("Recompiling function") == recompiles, result.stderr[-3000:]
+    assert summary["frames_collected"] == 1536
+    assert summary["updates"] == expected_updates(recipe, 1, frames=1536)
+    assert summary["compile_s"] > 0 and summary["phase_ms_per_step"]["compile"] > 0
+    assert math.isfinite(summary["eval_return"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
