@@ -30,6 +30,27 @@ PROJECT = Path(__file__).resolve().parents[1]
 # small tensor ops over every core only waits for busy cores (about twice the CPU time of
 # a tiny one-process run, measured with /usr/bin/time under `pytest -n 2`).
 torch.set_num_threads(1)
+# `pytest -n 2 --dist loadscope` runs a module at a time on each worker, in collection order:
+# the modules that take longest on 2 cores go first, so that the last ones to start are
+# short and neither worker waits long for the other at the end (a SLURM job's time limit
+# alone takes minutes). pytest-xdist would otherwise start the modules with most tests first.
+LONGEST_FIRST = ["test_train.py", "test_benchmarks.py", "test_faults.py", "test_slurm.py"]
+LONGEST_FIRST += ["test_recipe_contract.py", "test_checkpoint.py", "test_restarts.py"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def start(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=start)  # stable: each module's tests keep their order
+
+
 RECIPES = recipes.available()
 REPLAY_RECIPES = [name for name in RECIPES if recipes.load(name).Agent.uses_replay]
 

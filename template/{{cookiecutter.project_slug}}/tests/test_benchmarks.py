@@ -19,7 +19,8 @@ IGNORED = {"recipe", "total_frames", "eval.every", "collector.sync_frac"}
 
 
 def test_collection_benchmark_prints_a_table_and_a_json_line():
-    command = ["benchmarks/collection.py", "--envs", "4", "--frames", "2048", "--workers", "2"]
+    command = ["benchmarks/collection.py", "--envs", "4", "--frames", "2048", "--rounds", "1"]
+    command += ["--workers", "2"]
     result = run_command([sys.executable, *command])
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
