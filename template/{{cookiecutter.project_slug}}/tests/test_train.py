@@ -263,6 +263,39 @@ def test_each_recipe_trains_with_cuda_graphs_in_bf16(tmp_path, recipe):
     assert all(math.isfinite(value) for value in summary["learner_param_checksums"].values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_trains_on_two_learners_sharing_a_gpu_with_cuda_graphs(tmp_path, recipe):
+    """learners.share_gpu=true: two learners on GPU 0, gloo between them. With
+    cudagraphs=true each replays its own graphs and one all-reduce averages the gradients:
+    the frames stay exact, the updates are replays, and the learners stay identical."""
+    overrides = [*tiny_overrides(recipe), "learners.share_gpu=true", "cudagraphs=true", f"run_dir={tmp_path}"]
+    summary = read_summary(learners_run(2, *overrides))
+    assert summary["frames_collected"] == 3072
+    assert summary["updates"] == expected_updates(recipe, 2)
+    phases = summary["phase_ms_per_step"]
+    assert phases["graph"] > 0 and "forward" not in phases and "backward" not in phases
+    checksums = list(summary["learner_param_checksums"].values())
+    assert len(checksums) == 2 and len(set(checksums)) == 1 and math.isfinite(checksums[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_learners_checkpoint_and_resume_on_another_number_of_them(tmp_path, tiny):
+    """The multi-learner GPU path on one GPU: two learners with DDP over CUDA tensors, replay
+    processes serving GPU learners, a checkpoint written by GPU learners; resumed by three
+    learners with CUDA graphs, which stay identical, to the exact frames."""
+    run_dir = tmp_path / "run"
+    shared = [*tiny, "learners.share_gpu=true", f"run_dir={run_dir}"]
+    first = read_summary(learners_run(2, *shared, "total_frames=1536", "checkpoint.every=1536"))
+    assert first["frames_collected"] == 1536
+    assert len(set(first["learner_param_checksums"].values())) == 1
+    resumed = read_summary(learners_run(3, *shared, "cudagraphs=true", "total_frames=3840", "resume=auto"))
+    assert resumed["resumed_from"] == str(run_dir / "checkpoints" / "frames-000000001536")
+    assert resumed["frames_collected"] == 3840 and resumed["updates"] > first["updates"]
+    checksums = list(resumed["learner_param_checksums"].values())
+    assert len(checksums) == 3 and len(set(checksums)) == 1 and math.isfinite(checksums[0])
+
+
 def check_two_learner_summary(summary: dict) -> None:
     assert summary["world_size"] == 3
     assert summary["roles"] == {"0": "learner", "1": "learner", "2": "replay"}

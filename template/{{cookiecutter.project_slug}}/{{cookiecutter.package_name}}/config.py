@@ -60,6 +60,7 @@ class EnvConfig:
     # False unless the recipe's defaults for the env's family (or the user) turn them on.
     clip_rewards: bool = False
     life_loss: bool = False
+    frame_stack: int = MISSING
 
 
 @dataclass
@@ -113,6 +114,7 @@ class RpcConfig:
 @dataclass
 class LearnersConfig:
     batch: str = MISSING
+    share_gpu: bool = MISSING
     timeout: float = MISSING
 
 
@@ -299,6 +301,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"learners.batch must be {BATCH_OF_RUN} or {BATCH_OF_LEARNER}, got '{cfg.learners.batch}'"
         )
+    if cfg.learners.share_gpu and cfg.fabric.accelerator not in ("auto", "cuda"):
+        on = cfg.fabric.accelerator
+        raise ConfigError(f"learners.share_gpu=true puts the learners on a GPU; fabric.accelerator is {on}")
+    if cfg.learners.share_gpu and not torch.cuda.is_available():
+        raise ConfigError("learners.share_gpu=true needs a CUDA GPU; torch finds none")
     batch_size = getattr(cfg.algo, "batch_size", 0)
     if batch_size > cfg.replay.capacity:
         raise ConfigError(f"algo.batch_size ({batch_size}) exceeds replay.capacity ({cfg.replay.capacity})")
@@ -328,6 +335,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(str(error)) from None
     if cfg.env.life_loss and family != envs.ATARI:
         raise ConfigError(f"env.life_loss is for Atari games ({cfg.env.id} is not one)")
+    if cfg.env.frame_stack != envs.FRAME_STACK and family != envs.ATARI:
+        raise ConfigError(f"env.frame_stack is for Atari games ({cfg.env.id} is not one)")
+    if cfg.env.frame_stack < 1:
+        raise ConfigError(f"env.frame_stack must be >= 1, got {cfg.env.frame_stack}")
     if kind not in agent.action_spaces:
         needs = " or ".join(agent.action_spaces)
         raise ConfigError(f"recipe {cfg.recipe} needs {needs} actions; {cfg.env.id} has {actions}")
@@ -343,10 +354,12 @@ def check_learners(cfg: DictConfig, device: torch.device, learners: int) -> None
         )
     if cfg.cudagraphs and device.type != "cuda":
         raise ConfigError(f"cudagraphs=true needs a CUDA device; the learners run on {device.type}")
-    if cfg.cudagraphs and learners > 1:
-        # PyTorch records DDP's backward in a graph only under conditions (DDP made on a
-        # side stream, eleven eager steps first) never tried here: no machine with several GPUs.
-        raise ConfigError(f"cudagraphs=true is for one learner; this run has {learners}")
+
+
+def learner_device(cfg: DictConfig, fabric_device: torch.device) -> torch.device:
+    """Where a learner trains: Fabric's device for its rank, or with ``learners.share_gpu``
+    GPU 0 for every learner (Fabric then starts them as CPU ranks: gloo between them)."""
+    return torch.device("cuda", 0) if cfg.learners.share_gpu else fabric_device
 
 
 def acts_on_cpu(cfg: DictConfig, device: torch.device) -> bool:

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from torch.nn.parallel import DistributedDataParallel
 
-from . import checkpoint, config, recipes, timing
+from . import checkpoint, config, graphs, recipes, timing
 from .collector import (
     POLICY_VERSION,
     CollectorFailed,
@@ -48,7 +48,6 @@ from .distributed import stragglers
 from .distributed.topology import Topology
 from .distributed.watchdog import Watchdog
 from .evaluation import evaluate
-from .graphs import GraphedGradients
 from .recorder import Window
 from .replay import ReplayClient
 from .timing import phase, timed
@@ -188,7 +187,13 @@ class Learner:
                 fresh_seed=self.env_seed(),
             )  # fmt: skip
         self.model = self.agent
-        if self.learners > 1:
+        averaged = None
+        if self.learners > 1 and cfg.cudagraphs:
+            # The graph records the bare agent's backward; one all-reduce after it
+            # averages the gradients (graphs.py says why not DDP's).
+            graphs.broadcast_from_first(self.agent, run.learner_group, run.topology.learner_ranks[0])
+            averaged = graphs.AveragedGradients(self.optimizers, run.learner_group, self.learners)
+        elif self.learners > 1:
             # Plain DDP over the learner group rather than fabric.setup(): the group's own
             # timeout (learners.timeout) bounds every collective, gradients and checkpoint
             # barriers alike, apart from the RPC timeout.
@@ -205,9 +210,11 @@ class Learner:
             # compiles DDP models (the all-reduce stays DDP's). The agent itself stays eager:
             # checkpoints keep their keys and the collector acts with the agent's own policy.
             self.model = torch.compile(self.model)
-        # cudagraphs=true (one learner on a CUDA device, config.check_learners): each
-        # update's forward and backward replay as a CUDA graph.
-        self.graphs = GraphedGradients(self.model, self.optimizers, run.autocast) if cfg.cudagraphs else None
+        # cudagraphs=true (a CUDA device, config.check_learners): each update's forward and
+        # backward replay as a CUDA graph.
+        self.graphs = None
+        if cfg.cudagraphs:
+            self.graphs = graphs.GraphedGradients(self.model, self.optimizers, run.autocast, averaged)
 
         # The straggler threshold, where it can cut rollouts (on-policy, several learners).
         self.stragglers = None
@@ -364,7 +371,7 @@ class Learner:
         compiling = self.compile and path not in self.compiled_paths
         self.compiled_paths.add(path)
         if self.graphs is not None:
-            # Forward and backward, replayed as one CUDA graph.
+            # Forward and backward, replayed as one CUDA graph; the all-reduce after it.
             with phase("compile" if compiling else "graph"):
                 loss, priorities, metrics = self.graphs(batch, weight, path)
                 priorities = checked_priorities(loss, priorities, self.where())

@@ -20,6 +20,7 @@ loops themselves are in learner.py.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -27,6 +28,8 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 
@@ -41,6 +44,7 @@ from .recorder import Recorder
 from .replay import ReplayClient
 
 log = logging.getLogger(__name__)
+Autocast = Callable[[], AbstractContextManager]
 DEFAULTS = Path(__file__).with_name("config.yaml")
 FLAGS = {"-h", "--help", "--print-config"}
 
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="The `srun` command is available")
     fabric = Fabric(**fabric_arguments(cfg))
     try:
-        config.check_learners(cfg, fabric.device, fabric.world_size)
+        config.check_learners(cfg, config.learner_device(cfg, fabric.device), fabric.world_size)
     except config.ConfigError as error:
         return refused(error)
     if os.environ.get("LT_CLI_USED") == "1":
@@ -107,7 +111,8 @@ def fabric_arguments(cfg: DictConfig) -> dict:
         else:
             devices = 1
     return {
-        "accelerator": cfg.fabric.accelerator,
+        # learners.share_gpu: Fabric starts CPU ranks (gloo); each learner moves to GPU 0.
+        "accelerator": "cpu" if cfg.learners.share_gpu else cfg.fabric.accelerator,
         "strategy": cfg.fabric.strategy,
         "devices": devices,
         "num_nodes": num_nodes,
@@ -186,9 +191,8 @@ def play_role(
         log.info("%s", resumed_line(plan, resumed, uses_replay))
 
     recorder = topology.handle(plan, 0, "recorder")
-    run = learner.Run(
-        cfg, recipe, plan, fabric.device, learner_group, watchdog, recorder, fabric.autocast, resumed
-    )
+    device, autocast = learner_device(cfg, fabric)
+    run = learner.Run(cfg, recipe, plan, device, learner_group, watchdog, recorder, autocast, resumed)
     if uses_replay:
         replay = ReplayClient(
             [topology.handle(plan, rank, "replay") for rank in plan.shard_ranks],
@@ -214,6 +218,19 @@ def play_role(
         summary = records.close(shards)
     topology.disconnect(plan)
     return summary
+
+
+def learner_device(cfg: DictConfig, fabric: Fabric) -> tuple[torch.device, Autocast]:
+    """This learner's device and the autocast around its loss: Fabric's, or with
+    ``learners.share_gpu`` GPU 0 and an autocast for it (Fabric's is for the CPU ranks it
+    started)."""
+    if not cfg.learners.share_gpu:
+        return fabric.device, fabric.autocast
+    device = config.learner_device(cfg, fabric.device)
+    torch.cuda.set_device(device)
+    if cfg.fabric.precision == "bf16-mixed":
+        return device, functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    return device, contextlib.nullcontext
 
 
 def resumed_line(plan: topology.Topology, resumed: checkpoint.Checkpoint, uses_replay: bool) -> str:
