@@ -187,6 +187,11 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
         (["learners.batch=each"], "learners.batch must be run or learner, got 'each'"),
+        (["env.frame_stack=1"], "env.frame_stack is for Atari games (CartPole-v1 is not one)"),
+        (
+            ["learners.share_gpu=true", "fabric.accelerator=cpu"],
+            "learners.share_gpu=true puts the learners on a GPU; fabric.accelerator is cpu",
+        ),
         (["collector.policy_device=gpu"], "collector.policy_device must be learner, cpu or auto, got 'gpu'"),
         (["loggers=[csv,neptune]"], "unknown logger 'neptune' in loggers (choose from csv, tensorboard"),
         (["collector.frames_per_batch=100", "env.num_envs=8"], "must be a multiple of env.num_envs"),

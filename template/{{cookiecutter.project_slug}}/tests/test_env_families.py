@@ -57,6 +57,18 @@ def test_atari_games_wait_for_torchrl_to_reset_them():
     assert torch.equal(observation[:, 1:][~done[:, :-1]], following[:, :-1][~done[:, :-1]])
 
 
+def test_atari_single_frames_for_a_recurrent_policy_from_every_backend():
+    """env.frame_stack=1: ale-py's vector env (training) and gymnasium's wrappers
+    (evaluation, sync) give the same single 84x84 frame, and evaluation plays from it."""
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    settings = {"id": "ALE/Pong-v5", "frame_stack": 1, "kwargs": {"max_num_frames_per_episode": 100}}
+    for vectorization, training in (("auto", True), ("sync", False)):
+        env = make_env({**settings, "vectorization": vectorization}, 2, seed=0, training=training)
+        observation = env.rollout(3, break_when_any_done=False)["observation"]
+        env.close()
+        assert observation.shape == (2, 3, 1, 84, 84) and observation.dtype == torch.uint8, vectorization
+
+
 # Run at start-up by the subprocess (Python imports the first sitecustomize on its path):
 # the import system no longer finds the package, as on a machine without it.
 HIDE_PACKAGE = """

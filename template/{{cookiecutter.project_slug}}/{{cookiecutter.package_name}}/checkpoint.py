@@ -292,6 +292,7 @@ SAME_RUN = (
     "env.kwargs",
     "env.clip_rewards",
     "env.life_loss",
+    "env.frame_stack",
     "seed",
     "algo",
     "collector.frames_per_batch",

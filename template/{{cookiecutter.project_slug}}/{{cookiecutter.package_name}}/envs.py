@@ -5,7 +5,8 @@ entry point) decides the standard treatment:
 
 - ``atari`` (``ALE/Pong-v5``, ...; extra ``[atari]``): the DQN-paper preprocessing, done
   by ale-py itself: 30 no-op starts, 4 frames skipped with a max-pool over the last two,
-  84x84 grey, the last 4 frames stacked, newest last: ``uint8 (4, 84, 84)``. Rewards are
+  84x84 grey, the last 4 frames stacked, newest last: ``uint8 (4, 84, 84)`` (``env.frame_stack``
+  frames: ``1`` for a recurrent policy, which remembers for itself). Rewards are
   the raw game score; ``env.clip_rewards`` and ``env.life_loss`` change what training sees
   (clipped rewards, a life lost as a terminal state: ``TrainingBatches``) and never what
   is reported or evaluated.
@@ -208,7 +209,7 @@ def make_env(
     carries the recurrent state of ``policy``, if it has one (``with_recurrent_state``).
 
     ``env`` is an env id or the run's ``env`` config (``id``, ``vectorization``, ``kwargs``,
-    ``life_loss``); missing keys take their defaults. Rewards are raw: ``TrainingBatches``
+    ``life_loss``, ``frame_stack``); missing keys take their defaults. Rewards are raw: ``TrainingBatches``
     makes what training sees from a collector's batches. ``training=False`` (evaluation)
     resets each copy within the step that ends its episode (gymnasium's same-step
     autoreset), which evaluation's rollout needs, and reads no lives.
@@ -220,6 +221,7 @@ def make_env(
     family = family_of(env_id)
     backend = vectorization_of(env.get("vectorization", AUTO), env_id)
     kwargs = dict(env.get("kwargs") or {})
+    frame_stack = env.get("frame_stack", FRAME_STACK)
     # Training leaves autoreset to torchrl (gymnasium's DISABLED mode): it resets finished
     # copies through a mask, where same-step autoreset costs a Python loop over the copies
     # at every step.
@@ -231,7 +233,7 @@ def make_env(
             num_envs=num_envs,
             vectorization_mode="vector_entry_point",
             autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP if training else autoreset,
-            **atari_vector_settings(kwargs),
+            **atari_vector_settings(kwargs, frame_stack),
         )
         if training:
             vector_env = MaskedResets(vector_env)
@@ -241,7 +243,11 @@ def make_env(
             num_envs=num_envs,
             vectorization_mode=backend,
             vector_kwargs={"autoreset_mode": autoreset},
-            wrappers=[atari_preprocessing if family == ATARI else network_observations]
+            wrappers=[
+                functools.partial(atari_preprocessing, frame_stack=frame_stack)
+                if family == ATARI
+                else network_observations
+            ]
             + ([] if training else [WithoutInfo]),
             **(atari_single_settings(kwargs) if family == ATARI else kwargs),
         )
@@ -317,14 +323,14 @@ class MaskedResets(gym.vector.VectorWrapper):
         self.metadata = {**env.metadata, "autoreset_mode": self.autoreset_mode}
 
 
-def atari_vector_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+def atari_vector_settings(kwargs: dict[str, Any], frame_stack: int = FRAME_STACK) -> dict[str, Any]:
     """ale-py's vector env, set as gymnasium's wrappers below preprocess single envs, so
     that every backend, evaluation and the videos play the same game: raw rewards (clipped
     later, for training only), no life-loss terminal (added later, for training only), no
     FIRE pressed at reset (gymnasium's AtariPreprocessing has none; Machado et al. 2018
     advise against it too)."""
     settings = {
-        "stack_num": FRAME_STACK,
+        "stack_num": frame_stack,
         "img_height": SCREEN_SIZE,
         "img_width": SCREEN_SIZE,
         "noop_max": NOOP_MAX,
@@ -366,12 +372,12 @@ def atari_single_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "frameskip": 1}
 
 
-def atari_preprocessing(env: gym.Env) -> gym.Env:
+def atari_preprocessing(env: gym.Env, frame_stack: int = FRAME_STACK) -> gym.Env:
     """The preprocessing of ale-py's vector env, from gymnasium's wrappers, for one env."""
     env = gym.wrappers.AtariPreprocessing(
         env, noop_max=NOOP_MAX, frame_skip=FRAME_SKIP, screen_size=SCREEN_SIZE, terminal_on_life_loss=False
     )
-    return gym.wrappers.FrameStackObservation(env, FRAME_STACK)
+    return gym.wrappers.FrameStackObservation(env, frame_stack)
 
 
 def as_torchrl(
@@ -474,7 +480,7 @@ def make_video_env(
         disable_logger=True,
     )
     if family == ATARI:
-        recorder = atari_preprocessing(recorder)
+        recorder = atari_preprocessing(recorder, env.get("frame_stack", FRAME_STACK))
     return with_recurrent_state(as_torchrl(recorder, seed, family=family), policy)
 
 
