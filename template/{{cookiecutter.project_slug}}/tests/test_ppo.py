@@ -7,6 +7,7 @@ evaluate.py."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -366,3 +367,15 @@ def test_ppo_on_mujoco_keeps_one_normalisation_on_every_learner_through_resume_a
     assert evaluate.main([f"checkpoint={run_dir}", "episodes=2"]) == 0
     record = json.loads((run_dir / "evaluation.json").read_text())
     assert record["episodes"] == 2 and all(value > 0 for value in record["returns"])
+
+
+def test_cuda_graphs_refuse_a_recurrent_policy_in_one_line(tmp_path):
+    """A CUDA graph cannot record the LSTM through sequences split at episode starts: the
+    run stops before any rank starts, wherever it would have run."""
+    overrides = ["recipe=ppo", "algo.recurrent=true", "cudagraphs=true", f"run_dir={tmp_path}"]
+    result = run_command([sys.executable, "train.py", *overrides], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: recipe ppo: cudagraphs=true cannot record its recurrent update "
+        "(torchrl's LSTM splits sequences at episode starts, by the batch); run it without"
+    )

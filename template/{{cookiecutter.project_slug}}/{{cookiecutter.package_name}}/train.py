@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         if not FLAGS & set(argv):  # --help and --print-config run nothing
             checkpoint.check_run_dir(cfg, resumed)
             recipes.check_update(cfg.recipe, recipe, cfg.algo, cfg.env, cfg.seed)
+            if cfg.cudagraphs:
+                recipes.check_graphable(cfg.recipe, recipes.make_agent(recipe, cfg.algo, cfg.env))
     except (config.ConfigError, recipes.RecipeError) as error:
         return refused(error)
     if {"-h", "--help"} & set(argv):

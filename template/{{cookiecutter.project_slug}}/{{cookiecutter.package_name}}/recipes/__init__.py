@@ -51,6 +51,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
+from torchrl.modules import GRUModule, LSTMModule
 
 from ..envs import CONTINUOUS, DISCRETE, TrainingBatches, make_env, with_recurrent_state
 
@@ -266,6 +267,18 @@ def config_of(recipe: ModuleType, algo: Any) -> Any:
     if isinstance(algo, recipe.Config):
         return algo
     return recipe.Config(**(OmegaConf.to_container(algo) if isinstance(algo, DictConfig) else algo))
+
+
+def check_graphable(name: str, agent: torch.nn.Module) -> None:
+    """Raise RecipeError where a CUDA graph cannot hold ``agent``'s update
+    (``cudagraphs=true``). torchrl's recurrent modules split each sequence at its episode
+    starts into pieces whose number and lengths depend on the batch, which they read on
+    the CPU: a graph records fixed shapes and no reads back."""
+    if any(isinstance(module, (LSTMModule, GRUModule)) for module in agent.modules()):
+        raise RecipeError(
+            f"recipe {name}: cudagraphs=true cannot record its recurrent update "
+            "(torchrl's LSTM splits sequences at episode starts, by the batch); run it without"
+        )
 
 
 def make_agent(
