@@ -47,7 +47,7 @@ ON_GPU = ("fabric.accelerator=cuda",)
 
 def scaling(args: argparse.Namespace, recipe: str, gpus: int) -> dict[int, dict]:
     """Eager runs of ``recipe`` on 1, 2 and ``gpus`` learners, ``--frames`` per learner.
-    With the default ``learners.batch=run`` a replay recipe makes one learner's updates
+    With the default ``learners.batch_size_of=run`` a replay recipe makes one learner's updates
     per frame on any number of them: the speed-up is what more GPUs buy at its curve."""
     runs = {}
     for learners in sorted({1, 2, gpus}):

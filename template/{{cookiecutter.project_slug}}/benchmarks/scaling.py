@@ -10,7 +10,7 @@ Each run is benchmarks/speed.py's (the recipe's MuJoCo, MinAtar or Atari workloa
 torch thread per learner, no evaluation) launched by train.py on ``fabric.devices=N``
 (``fabric.strategy=ddp``, gloo on the CPU; one learner is the plain one-process run), or,
 with ``--workers``, one learner on ``--accelerator`` with the override
-``collector.workers=K``. Replay recipes keep ``learners.batch=run``, the default: N
+``collector.workers=K``. Replay recipes keep ``learners.batch_size_of=run``, the default: N
 learners make one learner's updates per frame, so the frames/s compare at the same
 learning per frame.
 
@@ -53,7 +53,7 @@ from {{ cookiecutter.package_name }} import plots, recipes
 
 # Frames per learner and run by default, in whole collector steps: 3 of PPO's 2,048-frame
 # rollouts; 24 and 8 steps with updates after the learning start for DQN and SAC or TD3,
-# whose learners make N times the updates a step on N learners (learners.batch=run). Each
+# whose learners make N times the updates a step on N learners (learners.batch_size_of=run). Each
 # run also starts and stops its processes, which on a 16-core machine took 15 s beside
 # the training (one learner) to 55 s (4 learners and a replay process): small budgets keep
 # the table within minutes.

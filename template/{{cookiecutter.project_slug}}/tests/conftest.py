@@ -100,7 +100,7 @@ def expected_updates(recipe: str, learners: int, frames: int = 3072) -> int:
     """Updates per learner of a TINY run of ``frames`` (whole steps of 256 frames per learner)."""
     steps = frames // (256 * learners)
     if recipes.load(recipe).Agent.uses_replay:
-        # 4 updates per step and learner (learners.batch=run: the run's 4 per 256 frames)
+        # 4 updates per step and learner (learners.batch_size_of=run: the run's 4 per 256 frames)
         # once 1024 frames (all learners together) are in.
         return 4 * learners * sum(1 for step in range(1, steps + 1) if step * 256 * learners >= 1024)
     return steps * 2 * (256 // 128)  # 2 epochs of 128-frame minibatches

@@ -186,7 +186,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
-        (["learners.batch=each"], "learners.batch must be run or learner, got 'each'"),
+        (["learners.batch_size_of=each"], "learners.batch_size_of must be run or learner, got 'each'"),
         (["env.frame_stack=1"], "env.frame_stack is for Atari games (CartPole-v1 is not one)"),
         (
             ["learners.share_gpu=true", "fabric.accelerator=cpu"],
@@ -224,14 +224,14 @@ def test_cudagraphs_off_a_cuda_device_is_one_error_line(tmp_path):
 
 @needs_replay
 def test_a_batch_too_small_to_deal_out_over_the_learners_is_one_error_line(tmp_path):
-    """learners.batch=run deals each update's batch out over the learners, a transition at
+    """learners.batch_size_of=run deals each update's batch out over the learners, a transition at
     least for each: known once Fabric knows how many learners there are."""
     command = [sys.executable, "train.py", f"recipe={REPLAY_RECIPE}", "algo.batch_size=1"]
     command += ["fabric.accelerator=cpu", "fabric.devices=2", f"run_dir={tmp_path}"]
     result = run_command(command, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (
-        "error: algo.batch_size (1) is dealt out over the learners (learners.batch=run): "
+        "error: algo.batch_size (1) is dealt out over the learners (learners.batch_size_of=run): "
         "it needs at least one transition for each of the 2"
     )
     assert not (tmp_path / "summary.json").exists()

@@ -41,7 +41,7 @@ def test_loss_returns_priorities_and_the_update_reaches_the_collector_policy():
 
 
 def test_a_batch_dealt_out_over_three_learners_has_the_whole_batchs_gradient():
-    """learners.batch=run: 8 transitions as 3, 3 and 2, each learner's loss weighted as
+    """learners.batch_size_of=run: 8 transitions as 3, 3 and 2, each learner's loss weighted as
     ``config.learner_batch`` says and the gradients averaged as DDP averages them, give the
     gradient of all 8 on one learner (uniform replay: no importance weights)."""
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def test_a_batch_dealt_out_over_three_learners_has_the_whole_batchs_gradient():
     for expected, got in zip(whole, averaged, strict=True):
         torch.testing.assert_close(got, expected)
 
-    each = config.load([*overrides, "learners.batch=learner"], train.DEFAULTS)
+    each = config.load([*overrides, "learners.batch_size_of=learner"], train.DEFAULTS)
     assert [config.learner_batch(each, 3, index) for index in range(3)] == [(8, 2, 1.0)] * 3
 
 

@@ -42,7 +42,7 @@ pytestmark = needs_runtime_recipe
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 EVERY = 2048  # frames between checkpoints: the most the killed rank may cost
 # About 90 s of training here (0.7 s per step of 512 frames, each of the 2 learners making
-# 128 updates: 2 x 64 with learners.batch=run): more than the first job trains before its
+# 128 updates: 2 x 64 with learners.batch_size_of=run): more than the first job trains before its
 # time limit's warning, a minute or less in.
 FRAMES = 61440
 SLOW = {"updates_per_batch": 64, "epochs": 32}

@@ -142,7 +142,7 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
     if collect_async:
         assert summary["collector_mode"] == "async"
         # As many samples per inserted frame as sync mode: each update's batch dealt out
-        # over the two learners (learners.batch=run), for 3072 frames.
+        # over the two learners (learners.batch_size_of=run), for 3072 frames.
         batch_size = recipes.load(recipe).Config().batch_size
         assert summary["samples_per_insert"] == pytest.approx(updates * batch_size / 3072)
         # A batch is collected while the learner trains on the one before it (2 x 4 updates),
@@ -309,7 +309,7 @@ def check_two_learner_summary(summary: dict) -> None:
     assert summary["replay_size"] == summary["frames_collected"]
     assert summary["stale_priority_updates"] == 0  # capacity exceeds the frames: nothing overwritten
     # Updates start once 1024 frames are in (step 2 of 6): 5 steps of 2 x 4 updates each
-    # (learners.batch=run: the run's 4 per 256 frames).
+    # (learners.batch_size_of=run: the run's 4 per 256 frames).
     assert summary["updates"] == 40
     checksums = list(summary["learner_param_checksums"].values())
     assert len(checksums) == 2 and checksums[0] == checksums[1]

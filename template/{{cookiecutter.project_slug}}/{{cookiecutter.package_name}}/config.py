@@ -30,7 +30,7 @@ REPLAY_STORAGES = ("memory", "memmap")  # replay.storage
 # fabric.precision: Fabric's autocast around the learners' losses. Not "16-mixed": float16
 # needs a gradient scaler, which the learners' plain backward does not apply.
 PRECISIONS = ("32-true", "bf16-mixed")
-# learners.batch: whose algo.batch_size and algo.updates_per_batch they are (replay recipes).
+# learners.batch_size_of: whose algo.batch_size and algo.updates_per_batch they are (replay recipes).
 BATCH_OF_RUN, BATCH_OF_LEARNER = "run", "learner"
 
 
@@ -113,7 +113,7 @@ class RpcConfig:
 
 @dataclass
 class LearnersConfig:
-    batch: str = MISSING
+    batch_size_of: str = MISSING
     share_gpu: bool = MISSING
     timeout: float = MISSING
 
@@ -297,10 +297,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"replay.storage must be {' or '.join(REPLAY_STORAGES)}, got '{cfg.replay.storage}'"
         )
-    if cfg.learners.batch not in (BATCH_OF_RUN, BATCH_OF_LEARNER):
-        raise ConfigError(
-            f"learners.batch must be {BATCH_OF_RUN} or {BATCH_OF_LEARNER}, got '{cfg.learners.batch}'"
-        )
+    whose, choices = cfg.learners.batch_size_of, f"{BATCH_OF_RUN} or {BATCH_OF_LEARNER}"
+    if whose not in (BATCH_OF_RUN, BATCH_OF_LEARNER):
+        raise ConfigError(f"learners.batch_size_of must be {choices}, got '{whose}'")
     if cfg.learners.share_gpu and cfg.fabric.accelerator not in ("auto", "cuda"):
         on = cfg.fabric.accelerator
         raise ConfigError(f"learners.share_gpu=true puts the learners on a GPU; fabric.accelerator is {on}")
@@ -347,9 +346,9 @@ def validate(cfg: DictConfig) -> None:
 def check_learners(cfg: DictConfig, device: torch.device, learners: int) -> None:
     """What the run asks of the learners' device and number, once Fabric has chosen them."""
     batch_size = getattr(cfg.algo, "batch_size", learners)
-    if cfg.learners.batch == BATCH_OF_RUN and batch_size < learners:
+    if cfg.learners.batch_size_of == BATCH_OF_RUN and batch_size < learners:
         raise ConfigError(
-            f"algo.batch_size ({batch_size}) is dealt out over the learners (learners.batch=run): "
+            f"algo.batch_size ({batch_size}) is dealt out over the learners (learners.batch_size_of=run): "
             f"it needs at least one transition for each of the {learners}"
         )
     if cfg.cudagraphs and device.type != "cuda":
@@ -391,16 +390,16 @@ def learner_batch(cfg: DictConfig, learners: int, index: int) -> tuple[int, int,
     """A replay recipe's learner ``index``: its transitions per update, its updates per
     collector step, and its loss's weight in the learners' average of gradients.
 
-    learners.batch=run: ``algo.batch_size`` and ``algo.updates_per_batch`` are the run's,
+    learners.batch_size_of=run: ``algo.batch_size`` and ``algo.updates_per_batch`` are the run's,
     so N learners train as one learner does per frame. They collect N times its frames a
     step, so they make N times its updates, each on ``batch_size`` transitions dealt out
     over them, the first ``batch_size % N`` learners taking one more. DDP averages the
     learners' gradients; each loss (a mean over its share) weighted by share x N /
-    batch_size makes that average the gradient of the whole batch. learners.batch=learner:
+    batch_size makes that average the gradient of the whole batch. learners.batch_size_of=learner:
     each learner's own, N times the transitions per update and 1/N the updates per frame.
     """
     batch, updates = cfg.algo.batch_size, cfg.algo.updates_per_batch
-    if cfg.learners.batch == BATCH_OF_LEARNER:
+    if cfg.learners.batch_size_of == BATCH_OF_LEARNER:
         return batch, updates, 1.0
     share = batch // learners + (index < batch % learners)
     return share, updates * learners, share * learners / batch

@@ -71,7 +71,7 @@ class Run:
 def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
     """Train a replay recipe until ``total_frames`` or a stop request.
 
-    With ``learners.batch=run`` (the default) N learners make N times one learner's
+    With ``learners.batch_size_of=run`` (the default) N learners make N times one learner's
     updates a step, each on its ``batch_size`` transitions dealt out over them
     (``config.learner_batch``): per frame, the updates of one learner. In
     ``collector.mode=async`` the collector's process gathers the next batch while this

@@ -96,7 +96,7 @@ class Config:
     gamma: float = 0.99
     """discount factor"""
     batch_size: int = 64
-    """transitions per update, all learners together (learners.batch)"""
+    """transitions per update, all learners together (learners.batch_size_of)"""
     # Gradient updates after each collector batch (256 frames per learner by default):
     # each frame is replayed 32 times on average, as in the SB3 zoo's setting.
     updates_per_batch: int = 128

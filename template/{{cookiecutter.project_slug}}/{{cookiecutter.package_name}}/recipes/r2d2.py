@@ -92,7 +92,7 @@ class Config:
     gamma: float = 0.99
     """discount factor"""
     batch_size: int = 32
-    """sequences per update, all learners together (learners.batch)"""
+    """sequences per update, all learners together (learners.batch_size_of)"""
     # 16 updates of 32 sequences per 320 frames train each step 24 times on average (15 of
     # a sequence's 20 steps after the burn-in), about DQN's 32 here. With 8, POPGym's
     # CartPole evaluated 0.42 at 60,000 frames; with 16, 1.0 at 30,000 (docs/benchmarks.md,

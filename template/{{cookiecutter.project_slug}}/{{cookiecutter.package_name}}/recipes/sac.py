@@ -75,7 +75,7 @@ class Config:
     gamma: float = 0.99
     """discount factor"""
     batch_size: int = 256
-    """transitions per update, all learners together (learners.batch)"""
+    """transitions per update, all learners together (learners.batch_size_of)"""
     # One update per frame collected: the zoo's one gradient step per env step.
     updates_per_batch: int = 64
     """gradient updates per collector batch (frames_per_batch), all learners together"""
