@@ -9,9 +9,9 @@ step, so the all-reduces of all learners always pair up. Each one is a line of t
 (the stop agreement, the rollout sizes, the checkpoint's barriers) or of
 ``Learner.update`` (the gradients' all-reduce, inside ``backward``, or after a CUDA
 graph's replay). On-policy rollouts may differ in length between learners (DD-PPO's
-straggler threshold, see distributed/stragglers.py); frames are counted as collected. ``Learner`` holds what both
-loops share, all of it made in its ``__init__``: the agent, its optimizers, its
-collector, the counters.
+straggler threshold, see distributed/stragglers.py); frames are counted as collected.
+``Learner`` holds what both loops share, all of it made in its ``__init__``: the agent,
+its optimizers, its collector, the counters.
 """
 
 from __future__ import annotations
