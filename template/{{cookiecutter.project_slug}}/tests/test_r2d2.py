@@ -13,7 +13,16 @@ from torchrl.collectors import Collector
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import r2d2
 
-from .conftest import expected_updates, learners_run, read_summary, replay_items, run_command, tiny_overrides
+from .conftest import (
+    ATARI_SHORT,
+    expected_updates,
+    learners_run,
+    read_summary,
+    replay_items,
+    replay_sample,
+    run_command,
+    tiny_overrides,
+)
 
 POPGYM_CARTPOLE = "popgym-PositionOnlyCartPoleEasy-v0"
 # 16 steps a batch and a stride of 7: sequences start anywhere in a batch, and some steps
@@ -175,3 +184,30 @@ def test_r2d2_trains_on_three_learners_identically_with_exact_frames_and_resumes
     assert resumed["replay_size"] == summary["replay_size"] + replay_items(recipe, 4608 - 3072)
     assert resumed["updates"] == summary["updates"] + (4608 - 3072) // 256 * 4
     assert math.isfinite(resumed["eval_return"])
+
+
+@pytest.mark.slow
+def test_the_atari_defaults_replay_sequences_of_single_frames(tmp_path):
+    """recipe=r2d2 on Atari takes the paper's sequences (80 steps overlapping by 40) of
+    single 84x84 frames (env.frame_stack=1), here on 2 games and a small network: 3 batches
+    of 80 steps give each game's sequences starting at steps 0, 40, 80, 120 and 160, each
+    one replay item of 80 frames; the run trains on them and plays its greedy episode."""
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    small = [
+        "env.num_envs=2",
+        "collector.frames_per_batch=160",
+        "total_frames=480",
+        "replay.capacity=16",
+        "algo.learning_starts=0",
+        "algo.batch_size=2",
+        "algo.hidden_sizes=[32]",
+        "algo.lstm_hidden_size=32",
+        "eval.episodes=1",
+        "checkpoint.every=480",
+    ]
+    overrides = ["recipe=r2d2", "env.id=ALE/Pong-v5", ATARI_SHORT, *small, f"run_dir={tmp_path}"]
+    summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
+    assert summary["frames_collected"] == 480 and summary["replay_size"] == 10
+    assert summary["updates"] == 3 and math.isfinite(summary["eval_return"])
+    sample = replay_sample(tmp_path)
+    assert sample["observation"].shape == (4, 80, 1, 84, 84) and sample["observation"].dtype == torch.uint8

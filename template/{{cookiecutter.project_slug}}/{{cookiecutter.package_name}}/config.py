@@ -60,7 +60,7 @@ class EnvConfig:
     # False unless the recipe's defaults for the env's family (or the user) turn them on.
     clip_rewards: bool = False
     life_loss: bool = False
-    frame_stack: int = MISSING
+    frame_stack: int = envs.FRAME_STACK
 
 
 @dataclass
@@ -78,9 +78,9 @@ class CollectorConfig:
 @dataclass
 class ReplayConfig:
     processes: int = MISSING
-    capacity: int = MISSING
-    # alpha and batches_per_request: these unless the recipe's defaults for the env's family
-    # (or the user) say otherwise.
+    # capacity, alpha and batches_per_request: these unless the recipe's defaults (or the
+    # user) say otherwise.
+    capacity: int = 100_000
     alpha: float = 0.6
     beta: float = MISSING
     batches_per_request: int = 4
