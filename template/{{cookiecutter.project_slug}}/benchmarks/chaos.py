@@ -13,7 +13,8 @@ process. ``--schedule`` seeds those draws, so a failing schedule can be replayed
 
 It checks what a healed run must show: exit 0, ``total_frames`` collected exactly, each
 restart costing at most ``--every`` frames, a replay holding every collected transition
-once, identical learners, no process of any attempt left running and nothing of the run
+once (a sequence recipe's: no more sequences than an undisturbed run's), identical
+learners, no process of any attempt left running and nothing of the run
 left in /dev/shm. Prints each kill, a table, and, last, one JSON line. Exits 1 if a check
 failed.
 """
@@ -76,6 +77,26 @@ def command(args: argparse.Namespace, seed: int, run_dir: Path) -> list[str]:
 
 def uses_replay(args: argparse.Namespace) -> bool:
     return recipes.load(args.recipe).Agent.uses_replay
+
+
+def replay_holds_each_frame_once(
+    args: argparse.Namespace, written: Path, planned: int, size: int | None
+) -> bool:
+    """Transitions: one item per frame collected. Sequences (a Config with a
+    ``sequence_length``): none beyond an undisturbed run's, whose count follows from each env
+    copy's steps, and fewer after restarts, which drop the steps that waited for a
+    sequence's end (a resumed run starts new episodes)."""
+    if not uses_replay(args):
+        return size == 0
+    if not written.is_file():
+        return False
+    cfg = OmegaConf.load(written)
+    if "sequence_length" not in cfg.algo:
+        return size == planned
+    copies = cfg.env.num_envs * LEARNERS
+    length, stride = cfg.algo.sequence_length, cfg.algo.sequence_length - cfg.algo.overlap
+    steps = planned // copies
+    return size is not None and 0 < size <= copies * max(0, (steps - length) // stride + 1)
 
 
 def replay_settings(args: argparse.Namespace) -> list[str]:
@@ -189,7 +210,9 @@ def run(args: argparse.Namespace, seed: int, run_dir: Path, kills: int) -> dict:
         "every kill a restart": summary.get("restarts") == len(done),
         "exact frames": summary.get("frames_collected") == planned,
         "at most --every frames lost per restart": all(f is not None and f <= args.every for f in lost),
-        "replay holds each frame once": summary.get("replay_size") == (planned if uses_replay(args) else 0),
+        "replay holds each frame once": replay_holds_each_frame_once(
+            args, written, planned, summary.get("replay_size")
+        ),
         "learners identical": len(checksums) == LEARNERS and len(set(checksums.values())) == 1,
         "nothing left running": not left_running,
         "nothing left in /dev/shm": not left_in_shm,
