@@ -50,7 +50,9 @@ TARGETS = {
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> dict:
-    run_dir = PROJECT / "runs" / "benchmarks" / f"{args.recipe}-{config.one_folder(args.env)}-seed{seed}"
+    # One folder per learner count: runs on 1 and on N learners, one after the other, keep both.
+    name = f"{args.recipe}-{config.one_folder(args.env)}-{args.devices}-learners-seed{seed}"
+    run_dir = PROJECT / "runs" / "benchmarks" / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: train.py refuses another run's checkpoints
     fabric = shutil.which("fabric", path=str(Path(sys.executable).parent)) or "fabric"
     command = [
