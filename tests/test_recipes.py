@@ -145,8 +145,10 @@ def test_family_defaults_set_known_keys_in_whole_collector_steps(name):
     for family, defaults in getattr(recipe, "FAMILY_DEFAULTS", {}).items():
         assert family in {"atari", "minatar", "mujoco", "popgym"}, family
         assert set(defaults) <= {"env", "collector", "replay", "total_frames", "algo"}
-        # config.yaml sets the replay's other keys, and it sits over the family defaults.
-        assert set(defaults.get("replay", {})) <= {"alpha", "batches_per_request"}
+        # config.yaml sets the other keys, and it sits over the family defaults: these are
+        # the ones it leaves to them (???).
+        assert set(defaults.get("replay", {})) <= {"alpha", "batches_per_request", "capacity"}
+        assert set(defaults.get("env", {})) <= {"num_envs", "clip_rewards", "life_loss", "frame_stack"}
         assert set(defaults.get("algo", {})) <= fields
         if "collector" in defaults:
             assert defaults["collector"]["frames_per_batch"] % defaults["env"]["num_envs"] == 0
