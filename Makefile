@@ -63,14 +63,16 @@ test: install slurm
 	REQUIRE_SLURM=$$([ "$$(id -u)" = 0 ] && command -v sbatch >/dev/null && echo 1 || echo 0) \
 		TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest
 
-# The recipes are linted in place, under the generated project's ruff settings (its
-# pyproject.toml is the nearest one); tests/test_bake.py lints a baked project whole. No
-# cache: ruff would write it beside that pyproject.toml, and cookiecutter would copy it into
-# every project.
-RECIPES_DIR := template/{{cookiecutter.project_slug}}/{{cookiecutter.package_name}}/recipes
+# The template's code is linted in a baked project, under its own ruff settings: in place,
+# the project's pyproject.toml is a Jinja template that ruff cannot read (tests/test_bake.py
+# lints a baked project too).
+LINT_DIR ?= build/lint
 
 lint: install
-	$(BIN)/ruff check --no-cache tests template/hooks "$(RECIPES_DIR)"
+	$(BIN)/ruff check --no-cache tests template/hooks
+	rm -rf $(LINT_DIR) && mkdir -p $(LINT_DIR)
+	$(BIN)/cookiecutter --no-input . --output-dir $(LINT_DIR)
+	cd $(LINT_DIR)/my-rl-project && $(abspath $(BIN))/ruff check --no-cache .
 
 clean:
 	rm -rf $(VENV) $(TRACKERS_VENV) build
