@@ -390,13 +390,14 @@ def learner_batch(cfg: DictConfig, learners: int, index: int) -> tuple[int, int,
     """A replay recipe's learner ``index``: its transitions per update, its updates per
     collector step, and its loss's weight in the learners' average of gradients.
 
-    learners.batch_size_of=run: ``algo.batch_size`` and ``algo.updates_per_batch`` are the run's,
-    so N learners train as one learner does per frame. They collect N times its frames a
-    step, so they make N times its updates, each on ``batch_size`` transitions dealt out
-    over them, the first ``batch_size % N`` learners taking one more. DDP averages the
-    learners' gradients; each loss (a mean over its share) weighted by share x N /
-    batch_size makes that average the gradient of the whole batch. learners.batch_size_of=learner:
-    each learner's own, N times the transitions per update and 1/N the updates per frame.
+    learners.batch_size_of=run: ``algo.batch_size`` and ``algo.updates_per_batch`` are the
+    run's, so N learners train as one learner does per frame. They collect N times its
+    frames a step, so they make N times its updates, each on ``batch_size`` transitions
+    dealt out over them, the first ``batch_size % N`` learners taking one more. DDP averages
+    the learners' gradients; each loss (a mean over its share) weighted by share x N /
+    batch_size makes that average the gradient of the whole batch.
+    learners.batch_size_of=learner: each learner's own, N times the transitions per update
+    and 1/N the updates per frame.
     """
     batch, updates = cfg.algo.batch_size, cfg.algo.updates_per_batch
     if cfg.learners.batch_size_of == BATCH_OF_LEARNER:

@@ -5,11 +5,11 @@ entry point) decides the standard treatment:
 
 - ``atari`` (``ALE/Pong-v5``, ...; extra ``[atari]``): the DQN-paper preprocessing, done
   by ale-py itself: 30 no-op starts, 4 frames skipped with a max-pool over the last two,
-  84x84 grey, the last 4 frames stacked, newest last: ``uint8 (4, 84, 84)`` (``env.frame_stack``
-  frames: ``1`` for a recurrent policy, which remembers for itself). Rewards are
-  the raw game score; ``env.clip_rewards`` and ``env.life_loss`` change what training sees
-  (clipped rewards, a life lost as a terminal state: ``TrainingBatches``) and never what
-  is reported or evaluated.
+  84x84 grey, the last 4 frames stacked, newest last: ``uint8 (4, 84, 84)``
+  (``env.frame_stack`` frames: ``1`` for a recurrent policy, which remembers for itself).
+  Rewards are the raw game score; ``env.clip_rewards`` and ``env.life_loss`` change what
+  training sees (clipped rewards, a life lost as a terminal state: ``TrainingBatches``)
+  and never what is reported or evaluated.
 - ``minatar`` (``MinAtar/Breakout-v1``, ...; extra ``[minatar]``): the ``10x10xC`` bool
   grid as ``uint8 (C, 10, 10)``, channels first as convolutions want them.
 - ``mujoco`` (``HalfCheetah-v5``, ...; extra ``[mujoco]``): float64 observations as float32.
@@ -209,8 +209,8 @@ def make_env(
     carries the recurrent state of ``policy``, if it has one (``with_recurrent_state``).
 
     ``env`` is an env id or the run's ``env`` config (``id``, ``vectorization``, ``kwargs``,
-    ``life_loss``, ``frame_stack``); missing keys take their defaults. Rewards are raw: ``TrainingBatches``
-    makes what training sees from a collector's batches. ``training=False`` (evaluation)
+    ``life_loss``, ``frame_stack``); missing keys take their defaults. Rewards are raw:
+    ``TrainingBatches`` makes what training sees from a collector's batches. ``training=False`` (evaluation)
     resets each copy within the step that ends its episode (gymnasium's same-step
     autoreset), which evaluation's rollout needs, and reads no lives.
     ``device=None``: the env's tensors carry no device (they are on the CPU), which spares

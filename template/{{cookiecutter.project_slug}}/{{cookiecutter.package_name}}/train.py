@@ -193,7 +193,7 @@ def play_role(
         log.info("%s", resumed_line(plan, resumed, uses_replay))
 
     recorder = topology.handle(plan, 0, "recorder")
-    device, autocast = learner_device(cfg, fabric)
+    device, autocast = device_and_autocast(cfg, fabric)
     run = learner.Run(cfg, recipe, plan, device, learner_group, watchdog, recorder, autocast, resumed)
     if uses_replay:
         replay = ReplayClient(
@@ -222,7 +222,7 @@ def play_role(
     return summary
 
 
-def learner_device(cfg: DictConfig, fabric: Fabric) -> tuple[torch.device, Autocast]:
+def device_and_autocast(cfg: DictConfig, fabric: Fabric) -> tuple[torch.device, Autocast]:
     """This learner's device and the autocast around its loss: Fabric's, or with
     ``learners.share_gpu`` GPU 0 and an autocast for it (Fabric's is for the CPU ranks it
     started)."""
