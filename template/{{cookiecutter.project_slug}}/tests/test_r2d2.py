@@ -10,6 +10,7 @@ import pytest
 import torch
 from torchrl.collectors import Collector
 
+from {{ cookiecutter.package_name }} import checkpoint
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import r2d2
 
@@ -155,6 +156,18 @@ def test_n_step_targets_stop_at_episode_ends_and_the_value_rescaling_inverts():
     torch.testing.assert_close(r2d2.rescale_inverse(r2d2.rescale(values)), values, rtol=1e-4, atol=1e-3)
 
 
+def test_the_dueling_head_is_a_value_plus_advantages_that_average_to_zero():
+    torch.manual_seed(0)
+    head = r2d2.DuelingHead(8, 4)
+    memory = torch.randn(5, 8)
+    q = head(memory)
+    assert q.shape == (5, 4)
+    torch.testing.assert_close(q.mean(-1, keepdim=True), head.value(memory))
+    # Both streams learn from the Q values.
+    q[:, 0].sum().backward()
+    assert all(parameter.grad.abs().sum() > 0 for parameter in head.parameters())
+
+
 @pytest.mark.slow
 def test_r2d2_trains_on_three_learners_identically_with_exact_frames_and_resumes_on_one(tmp_path):
     """Three learners and two replay processes: every frame collected once, each env
@@ -189,7 +202,8 @@ def test_r2d2_trains_on_three_learners_identically_with_exact_frames_and_resumes
 @pytest.mark.slow
 def test_the_atari_defaults_replay_sequences_of_single_frames(tmp_path):
     """recipe=r2d2 on Atari takes the paper's sequences (80 steps overlapping by 40) of
-    single 84x84 frames (env.frame_stack=1), here on 2 games and a small network: 3 batches
+    single 84x84 frames (env.frame_stack=1) and its dueling head, here on 2 games and a
+    small network: 3 batches
     of 80 steps give each game's sequences starting at steps 0, 40, 80, 120 and 160, each
     one replay item of 80 frames; the run trains on them and plays its greedy episode."""
     pytest.importorskip("ale_py", reason="needs the [atari] extra")
@@ -211,3 +225,5 @@ def test_the_atari_defaults_replay_sequences_of_single_frames(tmp_path):
     assert summary["updates"] == 3 and math.isfinite(summary["eval_return"])
     sample = replay_sample(tmp_path)
     assert sample["observation"].shape == (4, 80, 1, 84, 84) and sample["observation"].dtype == torch.uint8
+    agent = torch.load(tmp_path / checkpoint.FINAL, weights_only=True)["agent"]
+    assert agent["q_network.head.value.0.weight"].shape == (32, 32)

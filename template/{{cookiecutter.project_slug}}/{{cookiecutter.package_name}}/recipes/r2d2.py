@@ -21,8 +21,9 @@ gradients (the paper's burn-in, which rebuilds a state the current weights would
 had), then over the rest with gradients, resetting it where an episode starts inside the
 sequence. The targets are n-step double-Q targets under the paper's value rescaling
 ``h``; a sequence's priority mixes its TD errors as the paper does, 0.9 of their maximum
-and 0.1 of their mean. Left out from the paper: the dueling head and the per-actor
-epsilons of Ape-X (one annealed epsilon here, as DQN's).
+and 0.1 of their mean. On Atari the head is the paper's dueling head (``algo.dueling``).
+Left out from the paper: the per-actor epsilons of Ape-X (one annealed epsilon here, as
+DQN's).
 
 Pixel sequences are stored whole, every step's observation (replay's frames-once path
 stores transitions): fine for MinAtar's small grids; on Atari the recipe plays single
@@ -79,7 +80,8 @@ FAMILY_DEFAULTS = {
     # overlapping by 40, a burn-in of 40, 5-step double-Q targets, discount 0.997, 64
     # sequences an update, the target copied every 2,500 updates, no life-loss terminal and
     # no reward clipping (the value rescaling h takes the rewards' scale). DQN's Nature CNN
-    # and 512 units under an LSTM of 512, its Adam rate and epsilon schedule. Single frames
+    # and 512 units under an LSTM of 512, then the paper's dueling head (a value and an
+    # advantage stream of 512 units each); DQN's Adam rate and epsilon schedule. Single frames
     # (env.frame_stack=1, as ppo_atari_lstm.py): the LSTM remembers, and replay stores a
     # sequence whole, 0.56 MB for 80 frames against 2.3 MB stacked by 4. 10,000 sequences
     # (5.6 GB) where the paper keeps 100,000 (56 GB here). The paper's learner replays about
@@ -94,6 +96,7 @@ FAMILY_DEFAULTS = {
         "algo": {
             "hidden_sizes": [512],
             "lstm_hidden_size": 512,
+            "dueling": True,
             "lr": 1e-4,
             "gamma": 0.997,
             "batch_size": 64,
@@ -120,6 +123,9 @@ class Config:
     """units of the layers before the LSTM (after the convolutions, for images)"""
     lstm_hidden_size: int = 64
     """units of the LSTM"""
+    dueling: bool = False
+    """a dueling head (Wang et al. 2016): Q = V + A - mean(A), from a value and an advantage
+    stream of lstm_hidden_size units each; false: one linear layer"""
     lr: float = 1e-3
     """Adam's learning rate"""
     gamma: float = 0.99
@@ -156,8 +162,23 @@ class Config:
     """training rewards are multiplied by this (evaluation reports the env's own)"""
 
 
+class DuelingHead(nn.Module):
+    """Q values as a state's value plus each action's advantage over their mean (Wang et al.
+    2016). torchrl's dueling networks bring a feature trunk of their own; here the LSTM is
+    the trunk."""
+
+    def __init__(self, features: int, actions: int) -> None:
+        super().__init__()
+        self.value = MLP(features, 1, num_cells=[features], activation_class=nn.ReLU)
+        self.advantage = MLP(features, actions, num_cells=[features], activation_class=nn.ReLU)
+
+    def forward(self, memory: torch.Tensor) -> torch.Tensor:
+        advantage = self.advantage(memory)
+        return self.value(memory) + advantage - advantage.mean(-1, keepdim=True)
+
+
 class QNetwork(nn.Module):
-    """trunk -> LSTM -> linear head: Q values of every action, from an observation and the
+    """trunk -> LSTM -> head (linear, or dueling): Q values of every action, from an observation and the
     LSTM's state."""
 
     def __init__(self, observation_shape: torch.Size, actions: int, cfg: Config) -> None:
@@ -174,7 +195,8 @@ class QNetwork(nn.Module):
         self.memory = LSTMModule(
             input_size=hidden[-1], hidden_size=cfg.lstm_hidden_size, in_key=FEATURES, out_key=MEMORY
         )
-        self.head = nn.Linear(cfg.lstm_hidden_size, actions)
+        size = cfg.lstm_hidden_size
+        self.head = DuelingHead(size, actions) if cfg.dueling else nn.Linear(size, actions)
 
     def step(self, steps: TensorDictBase) -> TensorDictBase:
         """One LSTM step for each of ``steps`` (any shape), from the state recorded with it:
