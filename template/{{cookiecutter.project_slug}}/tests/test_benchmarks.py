@@ -30,6 +30,15 @@ def test_collection_benchmark_prints_a_table_and_a_json_line():
     assert "project collector, 2 workers" in result.stdout
 
 
+def test_vector_envs_benchmark_prints_each_atari_backend():
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    options = ["--envs", "2", "--frames", "256", "--threads", "1", "--rounds", "1"]
+    result = run_command([sys.executable, "benchmarks/vector_envs.py", *options], timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rates = json.loads(result.stdout.strip().splitlines()[-1])["fps"]
+    assert {"ale, 1 threads", "async, a process a game"} <= set(rates) and min(rates.values()) > 0
+
+
 def test_learning_benchmark_wants_a_target_for_another_env():
     recipe = RECIPES[0]
     env = "Acrobot-v1" if recipes.load(recipe).RUN_DEFAULTS["env"]["id"] != "Acrobot-v1" else "CartPole-v1"

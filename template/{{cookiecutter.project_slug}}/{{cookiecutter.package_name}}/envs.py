@@ -227,6 +227,11 @@ def make_env(
     # at every step.
     autoreset = gym.vector.AutoresetMode.DISABLED if training else gym.vector.AutoresetMode.SAME_STEP
     if backend == ALE:
+        # ale-py's threads default to as many as the machine has cores (C++'s
+        # hardware_concurrency), for each learner of a node and whatever SLURM gave it: the
+        # games step on the share of cores torch computes on instead (train.py sets it from
+        # `threads`, SLURM_CPUS_PER_TASK or the CPU affinity; env.kwargs.num_threads sets it).
+        kwargs.setdefault("num_threads", torch.get_num_threads())
         # ale-py's vector env has no DISABLED mode: MaskedResets makes one of its NEXT_STEP mode.
         vector_env = gym.make_vec(
             env_id,
