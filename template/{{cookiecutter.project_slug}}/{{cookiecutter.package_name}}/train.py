@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         resumed = checkpoint.check_resume(cfg)
         if not FLAGS & set(argv):  # --help and --print-config run nothing
             checkpoint.check_run_dir(cfg, resumed)
-            recipes.check_update(cfg.recipe, recipe, cfg.algo, cfg.env, cfg.seed)
+            agent = recipes.check_update(cfg.recipe, recipe, cfg.algo, cfg.env, cfg.seed)
             if cfg.cudagraphs:
-                recipes.check_graphable(cfg.recipe, recipes.make_agent(recipe, cfg.algo, cfg.env))
+                recipes.check_graphable(cfg.recipe, agent)
     except (config.ConfigError, recipes.RecipeError) as error:
         return refused(error)
     if {"-h", "--help"} & set(argv):

@@ -152,12 +152,14 @@ def check(name: str, module: ModuleType) -> None:
         raise broken(f"Config has no {missing[0]}, which learner.{loop} reads")
 
 
-def check_update(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int) -> None:
-    """Raise RecipeError naming the first rule that one update of ``recipe`` breaks, before
-    a run trains (``update_once``); or, where the recipe's own code raises, the error and
-    the line of the recipe it came from, in one line as well."""
+def check_update(
+    name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int
+) -> torch.nn.Module:
+    """The Agent that made one update of ``recipe`` before a run trains (``update_once``);
+    RecipeError naming the first rule that update breaks, or, where the recipe's own code
+    raises, the error and the line of the recipe it came from, in one line as well."""
     try:
-        update_once(name, recipe, algo, env, seed)
+        return update_once(name, recipe, algo, env, seed)
     except RecipeError:
         raise
     except Exception as error:
@@ -174,11 +176,13 @@ def check_update(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any
         ) from error
 
 
-def update_once(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int) -> None:
+def update_once(
+    name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any], seed: int
+) -> torch.nn.Module:
     """A fresh Agent's ``forward``, backward and ``optimizer_step`` at update 1 on a few
-    transitions it collected (``first_batch``), each checked against the contract. The
-    run's own agent is built apart, from its seed, and torch's random state is left as it
-    was."""
+    transitions it collected (``first_batch``), each checked against the contract; the
+    Agent. The run's own agent is built apart, from its seed, and torch's random state is
+    left as it was."""
 
     def broken(what: str) -> RecipeError:
         return RecipeError(f"recipe {name}: {what} (see {GUIDE})")
@@ -219,6 +223,7 @@ def update_once(name: str, recipe: ModuleType, algo: Any, env: Mapping[str, Any]
         agent.optimizer_step(optimizers, 1)
         if all(torch.equal(old, parameter) for old, parameter in zip(before, trained, strict=True)):
             raise broken("optimizer_step moved no parameter at update 1: it must step the optimizers")
+    return agent
 
 
 def first_batch(agent: torch.nn.Module, copies: EnvBase, env: Mapping[str, Any]) -> TensorDictBase:
