@@ -188,6 +188,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),
         (["learners.batch_size_of=each"], "learners.batch_size_of must be run or learner, got 'each'"),
         (["env.frame_stack=1"], "env.frame_stack is for Atari games (CartPole-v1 is not one)"),
+        (["env.threads=0"], "env.threads must be >= 1 (null: the rank's share), got 0"),
         (
             ["learners.share_gpu=true", "fabric.accelerator=cpu"],
             "learners.share_gpu=true puts the learners on a GPU; fabric.accelerator is cpu",

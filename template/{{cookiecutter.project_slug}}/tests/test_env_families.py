@@ -70,21 +70,23 @@ def test_atari_single_frames_for_a_recurrent_policy_from_every_backend():
 
 
 # A fresh process (the test's own has other threads coming and going), torch on one
-# thread: the threads that 8 games add, by default and with env.kwargs.num_threads=2.
+# thread: the threads that 8 games add with env.threads=1, and with env.kwargs.num_threads=2
+# (ale-py's own name) over env.threads=1.
 COUNT_THREADS = """
 import os, torch
 from {{ cookiecutter.package_name }}.envs import make_env
 torch.set_num_threads(1)
 before = len(os.listdir("/proc/self/task"))
-envs = [make_env({"id": "ALE/Pong-v5", "kwargs": kwargs}, 8, seed=0) for kwargs in ({}, {"num_threads": 2})]
+pong = {"id": "ALE/Pong-v5", "threads": 1}
+envs = [make_env(game, 8, seed=0) for game in (pong, {**pong, "kwargs": {"num_threads": 2}})]
 print(len(os.listdir("/proc/self/task")) - before)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
-def test_atari_games_step_on_the_threads_torch_computes_on():
+def test_atari_games_step_on_as_many_threads_as_env_threads_says():
     """ale-py's vector env would start a thread per core of the machine, for every learner:
-    it gets torch's share of the cores instead (one here), or env.kwargs.num_threads."""
+    env.threads (the rank's share, by train.py's default) sets them instead."""
     pytest.importorskip("ale_py", reason="needs the [atari] extra")
     result = run_command([sys.executable, "-c", COUNT_THREADS], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

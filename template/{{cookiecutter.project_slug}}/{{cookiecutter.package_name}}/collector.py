@@ -84,6 +84,8 @@ def make_collector(
         # Worker i steps copies i * copies .. (i + 1) * copies - 1 of the one-process env,
         # with their seeds: a gymnasium vector env seeds its copies seed, seed + 1, ...
         copies = cfg.env.num_envs // workers
+        if env.get("threads"):  # the learner's game threads, shared out
+            env["threads"] = max(1, env["threads"] // workers)
         makes = [
             functools.partial(worker_env, env, copies, seed + worker * copies, env_device, policy)
             for worker in range(workers)

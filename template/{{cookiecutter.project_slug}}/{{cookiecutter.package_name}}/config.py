@@ -61,6 +61,7 @@ class EnvConfig:
     clip_rewards: bool = False
     life_loss: bool = False
     frame_stack: int = envs.FRAME_STACK
+    threads: int | None = None
 
 
 @dataclass
@@ -338,6 +339,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"env.frame_stack is for Atari games ({cfg.env.id} is not one)")
     if cfg.env.frame_stack < 1:
         raise ConfigError(f"env.frame_stack must be >= 1, got {cfg.env.frame_stack}")
+    if cfg.env.threads is not None and cfg.env.threads < 1:
+        raise ConfigError(f"env.threads must be >= 1 (null: the rank's share), got {cfg.env.threads}")
     if kind not in agent.action_spaces:
         needs = " or ".join(agent.action_spaces)
         raise ConfigError(f"recipe {cfg.recipe} needs {needs} actions; {cfg.env.id} has {actions}")

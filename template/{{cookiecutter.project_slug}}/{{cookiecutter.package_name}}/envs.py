@@ -209,7 +209,7 @@ def make_env(
     carries the recurrent state of ``policy``, if it has one (``with_recurrent_state``).
 
     ``env`` is an env id or the run's ``env`` config (``id``, ``vectorization``, ``kwargs``,
-    ``life_loss``, ``frame_stack``); missing keys take their defaults. Rewards are raw:
+    ``life_loss``, ``frame_stack``, ``threads``); missing keys take their defaults. Rewards are raw:
     ``TrainingBatches`` makes what training sees from a collector's batches. ``training=False`` (evaluation)
     resets each copy within the step that ends its episode (gymnasium's same-step
     autoreset), which evaluation's rollout needs, and reads no lives.
@@ -228,10 +228,10 @@ def make_env(
     autoreset = gym.vector.AutoresetMode.DISABLED if training else gym.vector.AutoresetMode.SAME_STEP
     if backend == ALE:
         # ale-py's threads default to as many as the machine has cores (C++'s
-        # hardware_concurrency), for each learner of a node and whatever SLURM gave it: the
-        # games step on the share of cores torch computes on instead (train.py sets it from
-        # `threads`, SLURM_CPUS_PER_TASK or the CPU affinity; env.kwargs.num_threads sets it).
-        kwargs.setdefault("num_threads", torch.get_num_threads())
+        # hardware_concurrency), for each learner of a node and whatever SLURM gave it:
+        # env.threads, which train.py sets to the rank's share, bounds them.
+        if env.get("threads"):
+            kwargs.setdefault("num_threads", env["threads"])
         # ale-py's vector env has no DISABLED mode: MaskedResets makes one of its NEXT_STEP mode.
         vector_env = gym.make_vec(
             env_id,

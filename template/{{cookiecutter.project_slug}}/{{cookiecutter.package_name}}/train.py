@@ -137,7 +137,9 @@ def run(fabric: Fabric, cfg: DictConfig, recipe: ModuleType, resumed: checkpoint
     # MinAtar Breakout, Adam's step took 4 times as long after 2,000 updates. Flushed to
     # zero they cost nothing. Set before torch starts its threads, which inherit it.
     torch.set_flush_denormal(True)
-    torch.set_num_threads(cfg.threads or topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1)))
+    share = topology.cpus_per_rank(getattr(fabric.strategy, "num_processes", 1))
+    torch.set_num_threads(cfg.threads or share)
+    cfg.env.threads = cfg.env.threads or share
     served = topology.endpoints(cfg.rpc.address, cfg.rpc.port, plan, fabric.broadcast)
     # torchrun's agent (behind `fabric run` too) is every rank's parent and sets this.
     launcher = "the launcher" if "TORCHELASTIC_RUN_ID" in os.environ else None
