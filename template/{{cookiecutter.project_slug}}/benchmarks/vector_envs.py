@@ -45,14 +45,18 @@ WARM_UP = 32  # steps
 
 def make_ale(env_id: str, num_envs: int, threads: int, kwargs: dict) -> gym.vector.VectorEnv:
     settings = atari_vector_settings({**kwargs, "num_threads": threads})
-    return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **settings)
+    envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point", **settings)
+    envs.reset(seed=0)
+    return envs
 
 
 def make_async(env_id: str, num_envs: int, kwargs: dict) -> gym.vector.VectorEnv:
-    return gym.make_vec(
+    envs = gym.make_vec(
         env_id, num_envs=num_envs, vectorization_mode="async", wrappers=[atari_preprocessing],
         **atari_single_settings(kwargs),
     )  # fmt: skip
+    envs.reset(seed=0)
+    return envs
 
 
 def make_envpool(env_id: str, num_envs: int, threads: int, kwargs: dict) -> gym.vector.VectorEnv:
@@ -60,10 +64,11 @@ def make_envpool(env_id: str, num_envs: int, threads: int, kwargs: dict) -> gym.
 
     # The same game as atari_vector_settings sets it, in EnvPool's names.
     settings = atari_vector_settings(kwargs)
-    return envpool.make_gymnasium(
+    envs = envpool.make_gymnasium(
         env_id.removeprefix("ALE/"),
         num_envs=num_envs,
         num_threads=threads,
+        seed=0,  # EnvPool seeds its games here; its reset takes no seed
         stack_num=settings["stack_num"],
         img_height=settings["img_height"],
         img_width=settings["img_width"],
@@ -73,15 +78,17 @@ def make_envpool(env_id: str, num_envs: int, threads: int, kwargs: dict) -> gym.
         use_fire_reset=settings["use_fire_reset"],
         repeat_action_probability=settings["repeat_action_probability"],
     )
+    envs.reset()
+    return envs
 
 
 def play(make: functools.partial, frames: int) -> tuple[int, float]:
-    """Frames and seconds of random play, the warm-up not counted."""
+    """Frames and seconds of random play from the reset that ``make`` made, the warm-up not
+    counted."""
     envs = make()
     num_envs = envs.num_envs
     rng = np.random.default_rng(0)
     actions_count = int(envs.single_action_space.n)
-    envs.reset(seed=0)
     steps = -(-frames // num_envs)
     for step in range(WARM_UP + steps):
         if step == WARM_UP:

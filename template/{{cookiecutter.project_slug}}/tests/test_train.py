@@ -119,8 +119,13 @@ def test_a_run_shorter_than_log_every_records_its_metrics_and_its_checkpoint_pla
     assert record["checkpoint"] == str(folder) and record["episodes"] == 2
 
 
+# A recipe that replays sequences runs on three learners and two replay processes in its
+# own tests (test_r2d2.py), which check all this test does of it.
+TRANSITIONS = [name for name in RECIPES if not replays_sequences(name)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", TRANSITIONS)
 def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
     """Launched by Fabric itself (`python train.py fabric.devices=2`; the tests of faults,
     checkpoints and stragglers run `fabric run`). The first replay recipe collects
@@ -157,7 +162,7 @@ def test_each_recipe_trains_on_two_learner_ranks(tmp_path, recipe):
 # A recipe that replays sequences (R2D2's LSTM, stepped through each sequence) compiles
 # for minutes on 2 CPU cores: 156 s in one process of 1,536 frames; three learners and a
 # resume ran past the run's 300 s. Its runs here are eager.
-COMPILED = [name for name in RECIPES if not replays_sequences(name)]
+COMPILED = TRANSITIONS
 # Each rank compiles on its own, which is most of a compiled run's time here: three learners
 # and a resume for one recipe (the first transition replay recipe, collecting with worker
 # processes), one process for each of the others.
@@ -244,7 +249,7 @@ def test_each_recipe_trains_under_bf16_mixed_precision(tmp_path, recipe):
 
 
 # A recipe with memory is refused with cudagraphs=true (recipes.check_graphable).
-GRAPHED = [name for name in RECIPES if not replays_sequences(name)]
+GRAPHED = TRANSITIONS
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
