@@ -209,10 +209,11 @@ def make_env(
     carries the recurrent state of ``policy``, if it has one (``with_recurrent_state``).
 
     ``env`` is an env id or the run's ``env`` config (``id``, ``vectorization``, ``kwargs``,
-    ``life_loss``, ``frame_stack``, ``threads``); missing keys take their defaults. Rewards are raw:
-    ``TrainingBatches`` makes what training sees from a collector's batches. ``training=False`` (evaluation)
-    resets each copy within the step that ends its episode (gymnasium's same-step
-    autoreset), which evaluation's rollout needs, and reads no lives.
+    ``life_loss``, ``frame_stack``, ``threads``); missing keys take their defaults.
+    Rewards are raw: ``TrainingBatches`` makes what training sees from a collector's
+    batches. ``training=False`` (evaluation) resets each copy within the step that ends its
+    episode (gymnasium's same-step autoreset), which evaluation's rollout needs, and reads
+    no lives.
     ``device=None``: the env's tensors carry no device (they are on the CPU), which spares
     torchrl a cast of every step's tensordict (the collector's choice, see ``collector.py``).
     """

@@ -178,8 +178,8 @@ class DuelingHead(nn.Module):
 
 
 class QNetwork(nn.Module):
-    """trunk -> LSTM -> head (linear, or dueling): Q values of every action, from an observation and the
-    LSTM's state."""
+    """trunk -> LSTM -> head (linear, or dueling): Q values of every action, from an
+    observation and the LSTM's state."""
 
     def __init__(self, observation_shape: torch.Size, actions: int, cfg: Config) -> None:
         super().__init__()
