@@ -11,8 +11,10 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from {{ cookiecutter.package_name }} import checkpoint, evaluate, recipes
+from {{ cookiecutter.package_name }}.distributed.topology import cpus_per_rank
 
 from .conftest import (
     PROJECT,
@@ -62,6 +64,9 @@ def test_each_recipe_trains_in_one_process_and_writes_its_records(one_process_ru
     assert summary["eval_episodes"] >= 10 and math.isfinite(summary["eval_return"])
     assert [row["frames"] for row in summary["eval_history"]] == [2048]
     assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.csv").is_file()
+    # The record is the config the run resolved: env.threads, the one rank's share of the
+    # cores (threads=1 is torch's alone).
+    assert OmegaConf.load(run_dir / "config.yaml").env.threads == cpus_per_rank(1)
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
     assert summary["checkpoint"] == str(run_dir / "checkpoints" / "final.pt")
     assert (run_dir / "checkpoints" / "final.pt").is_file()
