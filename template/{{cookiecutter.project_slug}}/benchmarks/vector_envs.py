@@ -26,6 +26,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import sys
 import time
 
 import gymnasium as gym
@@ -37,6 +38,8 @@ from {{ cookiecutter.package_name }}.envs import (
     atari_single_settings,
     atari_vector_settings,
     family_of,
+    installed,
+    missing_extra,
     register_envs,
 )
 
@@ -99,6 +102,17 @@ def play(make: functools.partial, frames: int) -> tuple[int, float]:
     return steps * num_envs, elapsed
 
 
+def counts(text: str) -> list[int]:
+    """``--threads``: comma-separated counts, each at least 1, sorted."""
+    try:
+        values = sorted({int(value) for value in text.split(",")})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"counts >= 1 separated by commas, got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -106,7 +120,7 @@ def main() -> None:
     parser.add_argument("--env", default="ALE/Breakout-v5")
     parser.add_argument("--envs", type=int, default=8)
     parser.add_argument("--frames", type=int, default=48_000)
-    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts (ale, envpool)")
+    parser.add_argument("--threads", type=counts, default="1,2", help="comma-separated counts (ale, envpool)")
     parser.add_argument("--sticky", type=float, default=0.25, help="repeat_action_probability")
     parser.add_argument("--rounds", type=int, default=3, help="turns each setup takes, on frames / rounds")
     args = parser.parse_args()
@@ -114,10 +128,10 @@ def main() -> None:
         parser.error(f"--env must be an Atari game (ALE/...), got {args.env}")
     if args.rounds < 1 or args.envs < 1:
         parser.error("--rounds and --envs must be at least 1")
-    threads = sorted({int(count) for count in args.threads.split(",")})
-    if threads[0] < 1:
-        parser.error(f"--threads must be counts >= 1, got {args.threads}")
+    if not installed("ale_py"):
+        sys.exit(f"error: {missing_extra(args.env, ATARI)}")
     register_envs(ATARI)
+    threads = args.threads
     kwargs = {"repeat_action_probability": args.sticky}
 
     game = (args.env, args.envs)
