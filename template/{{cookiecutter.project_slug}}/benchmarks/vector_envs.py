@@ -131,14 +131,15 @@ def main() -> None:
     if not installed("ale_py"):
         sys.exit(f"error: {missing_extra(args.env, ATARI)}")
     register_envs(ATARI)
-    threads = args.threads
     kwargs = {"repeat_action_probability": args.sticky}
 
     game = (args.env, args.envs)
-    setups = {f"ale, {count} threads": functools.partial(make_ale, *game, count, kwargs) for count in threads}
+    setups = {}
+    for count in args.threads:
+        setups[f"ale, {count} threads"] = functools.partial(make_ale, *game, count, kwargs)
     setups["async, a process a game"] = functools.partial(make_async, *game, kwargs)
     has_envpool = importlib.util.find_spec("envpool") is not None
-    for count in threads if has_envpool else ():
+    for count in args.threads if has_envpool else ():
         setups[f"envpool, {count} threads"] = functools.partial(make_envpool, *game, count, kwargs)
     share = args.frames // args.rounds
     timed = {name: [0, 0.0] for name in setups}
@@ -148,8 +149,8 @@ def main() -> None:
             timed[name][0] += frames
             timed[name][1] += seconds
     rates = {name: frames / seconds for name, (frames, seconds) in timed.items()}
-    baseline = rates[f"ale, {threads[0]} threads"]
-    print(f"{'backend':<26} {'frames/s':>10} {'vs ale, ' + str(threads[0]) + ' threads':>18}")
+    baseline = rates[f"ale, {args.threads[0]} threads"]
+    print(f"{'backend':<26} {'frames/s':>10} {'vs ale, ' + str(args.threads[0]) + ' threads':>18}")
     for name, rate in rates.items():
         print(f"{name:<26} {rate:>10.0f} {rate / baseline:>18.2f}")
     if not has_envpool:
