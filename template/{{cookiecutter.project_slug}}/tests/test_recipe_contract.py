@@ -272,12 +272,11 @@ def torchrun(*arguments: str) -> list[str]:
 
 
 # Every mistake takes the same way out under a launcher (check_update's RecipeError, which
-# rank 0 says); each one's line is checked above, in one process and under train.py. Three
-# of them under the launchers: a launch costs 20 to 30 s on 2 cores.
+# rank 0 says); each one's line is checked above, in one process and under train.py. One
+# under each launcher: a launch costs 20 to 30 s on 2 cores.
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("launcher", "name"),
-    [("fabric run", "float_priorities"), ("fabric run", "no_step"), ("torchrun", "loss_per_transition")],
+    ("launcher", "name"), [("fabric run", "float_priorities"), ("torchrun", "loss_per_transition")]
 )
 def test_under_torchelastic_rank_0_says_the_one_line_and_the_launcher_reports_its_exit(
     mistakes_project, tmp_path, launcher, name
