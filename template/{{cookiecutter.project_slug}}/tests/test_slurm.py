@@ -43,9 +43,10 @@ EVERY = 2048  # frames between checkpoints: the most the killed rank may cost
 # About 90 s of training (2.3 s a step of 512 frames: each of the 2 learners steps its 8
 # copies 32 times, 8 ms a step): longer than the first job trains before its time limit's
 # warning, which comes a minute or so in. The env sleeps rather than the learners working
-# harder, so the job leaves the cores to the tests beside it.
+# harder, so the job leaves the cores to the tests beside it: the stragglers benchmark's
+# CartPole, which sleeps SIMULATOR_STEP_S a step on every rank.
 FRAMES = 20480
-SLOW_ENV = ["env.id=tests.slow_env:SlowCartPole-v1", "env.kwargs.step_s=0.008"]
+SLOW_ENV = "env.id=benchmarks.stragglers:StragglerCartPole-v1"
 
 
 def sbin(name: str) -> str | None:
@@ -152,10 +153,10 @@ def test_a_job_heals_a_killed_rank_stops_before_its_time_limit_and_its_requeue_f
     # than late), and a checkpoint every 2048 frames.
     sbatch = ["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}"]
     sbatch += ["--time=3", "--signal=B:USR1@120", f"--output={output}", "slurm.sh", "fabric.accelerator=cpu"]
-    sbatch += [*tiny_overrides(RECIPE), *SLOW_ENV, "eval.every=0", "eval.episodes=2"]
+    sbatch += [*tiny_overrides(RECIPE), SLOW_ENV, "eval.every=0", "eval.episodes=2"]
     sbatch += [f"total_frames={FRAMES}", f"checkpoint.every={EVERY}"]
     sbatch += ["rpc.heartbeat_timeout=5", f"run_dir={run_dir}"]
-    env = {**slurm, "LEARNERS_PER_NODE": "2"}
+    env = {**slurm, "LEARNERS_PER_NODE": "2", "SIMULATOR_STEP_S": "0.008"}  # sbatch passes it on
     job = subprocess.run(sbatch, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
     def log() -> str:
