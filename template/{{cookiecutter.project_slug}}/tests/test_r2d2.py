@@ -1,5 +1,6 @@
 """The R2D2 recipe: sequences cut from real collector batches, the recurrent state they
-keep, its targets; a run on three learners and a replay process, resumed on one."""
+keep, its targets; sequences of Atari frames in replay, each frame stored once; a run on
+three learners and a replay process, resumed on one."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import torch
 from torchrl.collectors import Collector
 
 from {{ cookiecutter.package_name }} import checkpoint
+from {{ cookiecutter.package_name }}.distributed import topology
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import r2d2
+from {{ cookiecutter.package_name }}.replay import ReplayClient, ReplayShard
+from {{ cookiecutter.package_name }}.replay.frames import FRAMES, PIXELS
+from {{ cookiecutter.package_name }}.replay.shard import SHARD
 
 from .conftest import (
     ATARI_SHORT,
@@ -33,17 +38,19 @@ COPIES, STEPS, BATCHES = 3, 16, 6
 LENGTH, OVERLAP = 10, 3
 
 
-@pytest.fixture(scope="module")
-def collected():
+# Pong's single frames (R2D2's Atari setting), episodes of 25 steps: sequences cross them.
+PONG = {"id": "ALE/Pong-v5", "frame_stack": 1, "kwargs": {"max_num_frames_per_episode": 100}}
+
+
+def sequences_collected(env_settings: str | dict):
     """A small agent, the collector batches it acted in (epsilon 1: random actions, the
     LSTM still stepping), and the items ``replay_items`` made of each batch in turn."""
-    pytest.importorskip("popgym", reason="needs the [popgym] extra")
     torch.manual_seed(0)
     cfg = r2d2.Config(hidden_sizes=[16], lstm_hidden_size=8, sequence_length=LENGTH, overlap=OVERLAP)
-    spec_env = make_env(POPGYM_CARTPOLE, COPIES, seed=0)
+    spec_env = make_env(env_settings, COPIES, seed=0)
     agent = r2d2.Agent(cfg, spec_env)
     spec_env.close()
-    env = make_env(POPGYM_CARTPOLE, COPIES, seed=0, policy=agent.policy)
+    env = make_env(env_settings, COPIES, seed=0, policy=agent.policy)
     collector = Collector(
         env, agent.policy, frames_per_batch=COPIES * STEPS, total_frames=COPIES * STEPS * BATCHES,
         track_traj_ids=False, auto_register_policy_transforms=False, use_buffers=False,
@@ -57,6 +64,18 @@ def collected():
     return agent, batches, items
 
 
+@pytest.fixture(scope="module")
+def collected():
+    pytest.importorskip("popgym", reason="needs the [popgym] extra")
+    return sequences_collected(POPGYM_CARTPOLE)
+
+
+@pytest.fixture(scope="module")
+def pong_items() -> list:
+    pytest.importorskip("ale_py", reason="needs the [atari] extra")
+    return sequences_collected(PONG)[2]
+
+
 def test_sequences_overlap_as_configured_and_never_miss_or_repeat_a_step_across_batches(collected):
     """Each copy's stream, read back from the batches joined in time, is cut every
     ``LENGTH - OVERLAP`` steps into ``LENGTH``-step sequences, in order, across batches."""
@@ -64,13 +83,12 @@ def test_sequences_overlap_as_configured_and_never_miss_or_repeat_a_step_across_
     stream = torch.cat(batches, 1)  # [copies, all steps]
     stride = LENGTH - OVERLAP
     starts = range(0, STEPS * BATCHES - LENGTH + 1, stride)
-    cut = torch.cat(items)  # batch after batch, each copy after copy
-    assert len(cut) == COPIES * len(starts)
     expected = {copy: [stream[copy, start : start + LENGTH] for start in starts] for copy in range(COPIES)}
     taken = {copy: [] for copy in range(COPIES)}
-    for batch_items in items:
-        for copy, sequences in enumerate(batch_items.split(len(batch_items) // COPIES)):
-            taken[copy].extend(sequences.unbind(0))
+    for batch_items in items:  # [copies, sequences], each copy's in order
+        assert batch_items.shape[0] == COPIES
+        for copy in range(COPIES):
+            taken[copy].extend(batch_items[copy].unbind(0))
     for copy in range(COPIES):
         assert len(taken[copy]) == len(starts)
         for sequence, window in zip(taken[copy], expected[copy], strict=True):
@@ -80,7 +98,7 @@ def test_sequences_overlap_as_configured_and_never_miss_or_repeat_a_step_across_
             assert torch.equal(sequence[r2d2.IS_INIT], window[r2d2.IS_INIT])
     # A batch gives the sequences it completes: after 16, 32, ... steps, those starting at
     # 0; 7, 14, 21; 28, 35; ...
-    assert [len(batch_items) // COPIES for batch_items in items] == [1, 3, 2, 2, 3, 2]
+    assert [batch_items.shape[1] for batch_items in items] == [1, 3, 2, 2, 3, 2]
 
 
 def test_a_batch_shorter_than_a_sequence_completes_none_and_its_steps_wait(collected):
@@ -94,10 +112,10 @@ def test_a_batch_shorter_than_a_sequence_completes_none_and_its_steps_wait(colle
     items = [agent.replay_items(batch) for batch in batches]
     assert items[0].batch_size == torch.Size([0])
     stream = torch.cat(batches, 1)
-    assert len(items[1]) == COPIES
-    assert torch.equal(items[1]["observation"], stream[:, : STEPS + 4]["observation"])
+    assert items[1].shape == (COPIES, 1)
+    assert torch.equal(items[1]["observation"][:, 0], stream[:, : STEPS + 4]["observation"])
     starts = range(0, STEPS * BATCHES - cfg.sequence_length + 1, cfg.sequence_length - OVERLAP)
-    assert sum(len(batch_items) for batch_items in items) == COPIES * len(starts)
+    assert sum(batch_items.batch_size.numel() for batch_items in items) == COPIES * len(starts)
 
 
 def test_the_state_kept_with_a_sequence_is_the_one_the_collector_acted_from(collected):
@@ -115,7 +133,7 @@ def test_the_state_kept_with_a_sequence_is_the_one_the_collector_acted_from(coll
             assert not first[restarted].any()
     stream = torch.cat(batches, 1)
     stride = LENGTH - OVERLAP
-    sequences = torch.cat(items)
+    sequences = torch.cat([batch_items.reshape(-1) for batch_items in items])
     assert sequences[r2d2.IS_INIT][:, 1:].any(), "no sequence crosses an episode's start"
     with torch.no_grad():
         q = agent.q_network.sequences(
@@ -125,7 +143,7 @@ def test_the_state_kept_with_a_sequence_is_the_one_the_collector_acted_from(coll
     position, seen = 0, [0] * COPIES
     for batch_items in items:
         for copy in range(COPIES):
-            for _ in range(len(batch_items) // COPIES):
+            for _ in range(batch_items.shape[1]):
                 start = seen[copy] * stride
                 window = stream[copy, start : start + LENGTH]
                 for key in r2d2.STATE:
@@ -133,6 +151,75 @@ def test_the_state_kept_with_a_sequence_is_the_one_the_collector_acted_from(coll
                 torch.testing.assert_close(q[position], window[r2d2.ACTION_VALUE])
                 seen[copy] += 1
                 position += 1
+
+
+def replayed(items: list, shard_count: int) -> tuple[list[ReplayShard], ReplayClient]:
+    shards = [ReplayShard(1000, 0.6, 0.4, shard=i) for i in range(shard_count)]
+    client = ReplayClient([topology.LocalRef(shard) for shard in shards], batch_size=8, beta=0.4)
+    for batch_items in items:
+        client.extend(batch_items, OVERLAP)
+    client.flush()
+    return shards, client
+
+
+def held_by(items: list, shard: int, shard_count: int):
+    """The sequences that shard ``shard`` of ``shard_count`` stored, in order: each batch's
+    of the copies it takes (copy n goes to shard n % shard_count), copy after copy."""
+    mine = [copy for copy in range(COPIES) if copy % shard_count == shard]
+    return torch.cat([batch_items[mine].reshape(-1) for batch_items in items])
+
+
+def frames_once(sequences: int, copies: int) -> int:
+    """A copy's first sequence stores all its steps' frames, each later one the steps it
+    does not share with the one before."""
+    return copies * LENGTH + (sequences - copies) * (LENGTH - OVERLAP)
+
+
+@pytest.mark.parametrize("shard_count", [1, 2])
+def test_sequences_of_frames_store_each_frame_once_and_sample_as_collected(pong_items, shard_count):
+    shards, client = replayed(pong_items, shard_count)
+    for index, shard in enumerate(shards):
+        stored = shard.buffer[:]
+        assert len(stored) == len(held_by(pong_items, index, shard_count))
+        assert "observation" not in stored.keys() and stored[FRAMES].shape == (len(stored), LENGTH)
+        assert shard.frames.written == frames_once(len(stored), len(range(index, COPIES, shard_count)))
+        assert shard.frames.frame_shape == (1, 84, 84)
+    crossed = False
+    for _ in range(10):
+        sample = client.sample()
+        assert sample["observation"].dtype == torch.uint8
+        assert sample["observation"].shape == (8, LENGTH, 1, 84, 84)
+        for sequence in sample:
+            truth = held_by(pong_items, int(sequence[SHARD]), shard_count)[int(sequence["index"])]
+            assert torch.equal(sequence["observation"], truth["observation"])
+            assert torch.equal(sequence["action"], truth["action"])
+            crossed = crossed or bool(sequence[r2d2.IS_INIT][1:].any())
+    assert crossed, "no sampled sequence crosses an episode's start"
+
+
+@pytest.mark.parametrize(("saved", "parts"), [(2, 1), (1, 2)])
+def test_sequences_of_frames_resume_on_other_shards_with_each_frame_once(pong_items, tmp_path, saved, parts):
+    """A checkpoint's shards dealt onto another number of shards: every sequence keeps its
+    frames, and a copy's overlapping sequences stay together, so no frame is stored twice."""
+    shards, _ = replayed(pong_items, saved)
+    folders = [tmp_path / f"replay-{index}" for index in range(saved)]
+    for shard, folder in zip(shards, folders, strict=True):
+        shard.save(str(folder))
+    truth = torch.cat([held_by(pong_items, index, saved) for index in range(saved)])
+    restored = [ReplayShard(1000, 0.6, 0.4, shard=part) for part in range(parts)]
+    for part, shard in enumerate(restored):
+        shard.restore(folders, part, parts)
+    assert sum(len(shard.buffer) for shard in restored) == len(truth)
+    assert sum(shard.frames.written for shard in restored) == frames_once(len(truth), COPIES)
+    for shard in restored:
+        stored = shard.buffer[:]
+        assert len(stored) > 0
+        pixels = shard.frames.read(stored[FRAMES])
+        for sequence, observation in zip(stored, pixels, strict=True):
+            # The sequence it was: the one with its actions, flags and observations.
+            same = (truth["action"] == sequence["action"]).flatten(1).all(-1)
+            same &= (truth[r2d2.IS_INIT] == sequence[r2d2.IS_INIT]).flatten(1).all(-1)
+            assert any(torch.equal(observation, truth["observation"][i]) for i in torch.nonzero(same)[:, 0])
 
 
 def test_n_step_targets_stop_at_episode_ends_and_the_value_rescaling_inverts():
@@ -223,7 +310,7 @@ def test_the_atari_defaults_replay_sequences_of_single_frames(tmp_path):
     summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
     assert summary["frames_collected"] == 480 and summary["replay_size"] == 10
     assert summary["updates"] == 3 and math.isfinite(summary["eval_return"])
-    sample = replay_sample(tmp_path)
-    assert sample["observation"].shape == (4, 80, 1, 84, 84) and sample["observation"].dtype == torch.uint8
+    sample = replay_sample(tmp_path)  # as a shard samples them: the frames each stored once
+    assert sample[PIXELS].shape == (4, 80, 1, 84, 84) and sample[PIXELS].dtype == torch.uint8
     agent = torch.load(tmp_path / checkpoint.FINAL, weights_only=True)["agent"]
     assert agent["q_network.head.value.0.weight"].shape == (32, 32)

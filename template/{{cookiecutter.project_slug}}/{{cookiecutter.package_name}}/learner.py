@@ -92,8 +92,8 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
         learner.count(batch, learner.frames_per_step)
         with phase("after_collect"):
             agent.after_collect(batch, learner.step_frames, learner.sum_over_learners)
-        # Transitions, or a sequence recipe's sequences; asynchronous; stacked frames go once.
-        replay.extend(recipes.replay_items(agent, batch))
+        # Transitions, or a sequence recipe's sequences; asynchronous; pixels go once.
+        replay.extend(recipes.replay_items(agent, batch), recipes.sequence_overlap(agent))
         # A sequence recipe's first items come sequence_length steps in, whatever
         # learning_starts says; every learner cuts as many, so all agree when to start.
         if learner.frames >= learning_starts and replay.inserted:

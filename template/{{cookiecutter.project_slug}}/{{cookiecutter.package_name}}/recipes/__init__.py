@@ -25,8 +25,10 @@ tested on its own, and a project keeps only the recipes it was made with. It def
     An on-policy Agent whose ``forward`` reads whole env-copy sequences (an LSTM's) says so
     in a ``recurrent`` attribute: its minibatches are then ``[copies, steps]``, in time order.
     A replay Agent whose items are not single transitions (R2D2's sequences) makes them in
-    a ``replay_items(batch)`` method from each collector batch ``[copies, steps]``, and
-    says how many steps ``check_update`` must collect for one in ``sequence_length``.
+    a ``replay_items(batch)`` method from each collector batch ``[copies, steps]``, says
+    how many steps ``check_update`` must collect for one in ``sequence_length``, and may
+    say how many steps a copy's sequence shares with the one before in
+    ``sequence_overlap`` (replay stores those once for pixels).
 
 ``load`` checks all of this when a recipe loads and names what is missing in one line;
 ``check_update`` then makes one update of a fresh Agent on a few transitions before a run
@@ -248,9 +250,15 @@ def first_batch(agent: torch.nn.Module, copies: EnvBase, env: Mapping[str, Any])
 def replay_items(agent: torch.nn.Module, batch: TensorDictBase) -> TensorDictBase:
     """What a replay ``agent``'s learner writes to replay of a collector batch ``[copies,
     steps]``: the items its optional ``replay_items`` method makes (R2D2's sequences,
-    ``[sequences]``), or each step's ``batch_keys`` (transitions)."""
+    ``[copies, sequences]``), or each step's ``batch_keys`` (transitions)."""
     make = getattr(agent, "replay_items", None)
     return make(batch) if make is not None else batch.select(*agent.batch_keys)
+
+
+def sequence_overlap(agent: torch.nn.Module) -> int:
+    """The steps a sequence recipe's item shares with the one before from the same env
+    copy (its optional ``sequence_overlap``), which replay stores once for pixels."""
+    return getattr(agent, "sequence_overlap", 0)
 
 
 def recurrent(agent: torch.nn.Module) -> bool:

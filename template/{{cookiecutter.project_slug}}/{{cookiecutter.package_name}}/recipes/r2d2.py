@@ -15,6 +15,8 @@ cuts each copy's steps into sequences of ``sequence_length`` steps, each startin
 steps after the last sequence start wait for the next batch, so no step is lost or
 repeated beyond the overlap. A sequence is one replay item, with the state its first step
 was acted from: it lives whole in one shard, is drawn by one priority and gets one back.
+Pixel observations are stored once per step (replay/frames.py): the steps a sequence shares
+with the one before are stored with that one.
 
 An update runs the LSTM from that state over the first ``burn_in`` steps without
 gradients (the paper's burn-in, which rebuilds a state the current weights would have
@@ -24,10 +26,6 @@ sequence. The targets are n-step double-Q targets under the paper's value rescal
 and 0.1 of their mean. On Atari the head is the paper's dueling head (``algo.dueling``).
 Left out from the paper: the per-actor epsilons of Ape-X (one annealed epsilon here, as
 DQN's).
-
-Pixel sequences are stored whole, every step's observation (replay's frames-once path
-stores transitions): fine for MinAtar's small grids; on Atari the recipe plays single
-frames (``env.frame_stack=1``), 0.56 MB for one of the paper's 80-step sequences.
 """
 
 from __future__ import annotations
@@ -82,16 +80,16 @@ FAMILY_DEFAULTS = {
     # no reward clipping (the value rescaling h takes the rewards' scale). DQN's Nature CNN
     # and 512 units under an LSTM of 512, then the paper's dueling head (a value and an
     # advantage stream of 512 units each); DQN's Adam rate and epsilon schedule. Single frames
-    # (env.frame_stack=1, as ppo_atari_lstm.py): the LSTM remembers, and replay stores a
-    # sequence whole, 0.56 MB for 80 frames against 2.3 MB stacked by 4. 10,000 sequences
-    # (5.6 GB) where the paper keeps 100,000 (56 GB here). The paper's learner replays about
-    # 0.4 steps per step collected (5 updates of 64 x 80 steps a second, 256 actors of 260
-    # steps a second); one update per 1,280 frames is the fewest a collector batch can have,
-    # 4 replayed steps per step.
+    # (env.frame_stack=1, as ppo_atari_lstm.py): the LSTM remembers, and replay stores each
+    # frame once, 0.28 MB a sequence of 80 steps overlapping by 40 (1.1 MB stacked by 4).
+    # 20,000 sequences (5.6 GB) where the paper keeps 100,000 (28 GB here). The paper's
+    # learner replays about 0.4 steps per step collected (5 updates of 64 x 80 steps a
+    # second, 256 actors of 260 steps a second); one update per 1,280 frames is the fewest a
+    # collector batch can have, 4 replayed steps per step.
     "atari": {
         "env": {"num_envs": 8, "frame_stack": 1},
         "collector": {"frames_per_batch": 1280},
-        "replay": {"capacity": 10_000},
+        "replay": {"capacity": 20_000},
         "total_frames": 10_000_000,
         "algo": {
             "hidden_sizes": [512],
@@ -293,8 +291,10 @@ class Agent(nn.Module):
         if cfg.n_steps < 1:
             raise ValueError(f"r2d2: algo.n_steps must be >= 1, got {cfg.n_steps}")
         self.cfg = cfg
-        # Replay items are sequences of this many steps (recipes.first_batch collects as many).
+        # Replay items are sequences of this many steps (recipes.first_batch collects as
+        # many), each sharing this many with the one before (replay stores those once).
         self.sequence_length = cfg.sequence_length
+        self.sequence_overlap = cfg.overlap
         self.action_spec = env.action_spec
         observation_shape = env.observation_spec_unbatched["observation"].shape
         self.q_network = QNetwork(observation_shape, self.action_spec.shape[-1], cfg)
@@ -315,8 +315,9 @@ class Agent(nn.Module):
 
     def replay_items(self, batch: TensorDictBase) -> TensorDictBase:
         """The sequences that this collector batch ``[copies, steps]`` completes, one
-        replay item each (``[sequences]``, the steps along each entry's second dimension):
-        every ``sequence_length - overlap`` steps of a copy's stream a sequence starts."""
+        replay item each (``[copies, sequences]``, each copy's in order, the steps along
+        each entry's third dimension): every ``sequence_length - overlap`` steps of a
+        copy's stream a sequence starts."""
         cfg = self.cfg
         steps = batch.select(*self.batch_keys)
         if self.pending is not None:
@@ -327,11 +328,10 @@ class Agent(nn.Module):
         if not starts:  # no sequence complete yet: replay takes an empty batch as nothing
             return TensorDict(batch_size=[0])
         cut = torch.stack([steps[:, start : start + cfg.sequence_length] for start in starts], 1)
-        cut = cut.reshape(-1, cfg.sequence_length)
         items = cut.exclude(*STATE)
-        items.batch_size = cut.shape[:1]
+        items.batch_size = cut.shape[:2]
         for key in STATE:
-            items[key] = cut[key][:, 0]
+            items[key] = cut[key][:, :, 0]
         return items
 
     def forward(self, batch: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

@@ -20,18 +20,21 @@ import os
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from ..timing import timed
-from .frames import NEXT_OBSERVATION, OBSERVATION, PIXELS, is_frame_stack, pack
+from .frames import NEXT_OBSERVATION, OBSERVATION, PIXELS, is_frame_stack, is_pixel_sequences, pack
 from .shard import GENERATION, PRIORITY, SHARD, SHARED_MEMORY, WEIGHT
 
 log = logging.getLogger(__name__)
 
 
 Request = tuple[list[torch.futures.Future], int | None]
+# How items go to the shards, decided by the first batch (see ReplayClient).
+STACKS, SEQUENCES, ROWS = "stacks", "sequences", "rows"
 
 
 def shared_memory_tensor(path: Path, nbytes: int) -> torch.Tensor:
@@ -54,9 +57,11 @@ class ReplayClient:
     awaited in order (at most ``max_in_flight`` outstanding writes), so an error on a
     replay process surfaces on the learner at the next call instead of vanishing.
 
-    ``extend`` takes a collector batch ``[env copies, steps]``. Stacked pixel observations
-    (``is_frame_stack``, decided at the first batch) go frame by frame, each env copy always
-    to the same shard; anything else goes row by row, each batch to the next shard.
+    ``extend`` takes a collector batch ``[env copies, steps]`` of transitions, or a sequence
+    recipe's ``[env copies, sequences]``. Stacked pixel observations (``is_frame_stack``)
+    go frame by frame and sequences of pixel observations (``is_pixel_sequences``) step by
+    step, each env copy always to the same shard (frames.py); anything else goes row by
+    row, each batch to the next shard. The first batch decides which.
 
     With ``share_frames`` (shards in other processes), once the first sampled frames have
     come, each shard on this machine writes the next requests' frames into reply slots in
@@ -101,40 +106,64 @@ class ReplayClient:
         self._sent = 0  # requests with reply slots sent so far
         self._mass_sum = torch.zeros(len(self.shards), dtype=torch.float64)
         self._mass_min = torch.full((len(self.shards),), math.inf, dtype=torch.float64)
-        self._frame_stack: bool | None = None  # decided by the first batch
+        self._layout: str | None = None  # STACKS, SEQUENCES or ROWS: decided by the first batch
         self._writer = uuid.uuid4().hex  # names this client's streams and reply slots on the shards
-        self._newest: dict[int, torch.Tensor] = {}  # env copy -> the next observation last written
+        # Env copy -> what its next item may go on from: the next observation last written
+        # (stacks), or the last sequence's last steps' observations (sequences).
+        self._newest: dict[int, torch.Tensor] = {}
         self._frame_writes: dict[int, torch.futures.Future] = {}  # shard -> its last frame write
         self.inserted = 0  # items (transitions, or sequences) this client wrote
         self.sampled = 0  # items it sampled
 
     @timed("replay_insert")
-    def extend(self, transitions: TensorDictBase) -> None:
-        """Write a collector batch ``[env copies, steps]`` (or flat replay items: transitions
-        or sequences) to the shards, asynchronously."""
-        if transitions.batch_size.numel() == 0:  # a sequence recipe's batch that completed no sequence
+    def extend(self, items: TensorDictBase, overlap: int = 0) -> None:
+        """Write a collector batch ``[env copies, steps]`` of transitions, or a sequence
+        recipe's ``[env copies, sequences]`` (each sequence's first ``overlap`` steps the
+        previous one's last), to the shards, asynchronously."""
+        if items.batch_size.numel() == 0:  # a sequence recipe's batch that completed no sequence
             return
-        self.inserted += transitions.numel()
-        if self._frame_stack is None:
-            self._frame_stack = is_frame_stack(transitions)
-        if self._frame_stack:
-            self._extend_frames(transitions)
+        self.inserted += items.numel()
+        if self._layout is None:
+            self._layout = (
+                STACKS if is_frame_stack(items) else SEQUENCES if is_pixel_sequences(items) else ROWS
+            )
+        if self._layout == STACKS:
+            self._extend_frames(items)
+            return
+        if self._layout == SEQUENCES:
+            self._extend_sequences(items, overlap)
             return
         shard = self.shards[self._next_shard]
         self._next_shard = (self._next_shard + 1) % len(self.shards)
-        self._track(shard.rpc_async().extend(transitions.reshape(-1)))
+        self._track(shard.rpc_async().extend(items.reshape(-1)))
+
+    def _routes(self, copies: int) -> list[tuple[int, torch.Tensor]]:
+        """Each shard and the env copies whose items it takes: copy ``n`` always goes to
+        shard ``(first_shard + n) % shards``, where its stream goes on."""
+        index = torch.arange(copies)
+        route = (index + self._first_shard) % len(self.shards)
+        return [(shard, index[route == shard]) for shard in route.unique().tolist()]
+
+    def _stream_writer(self, shard_index: int) -> Any:
+        """A shard's asynchronous calls (``rpc_async()``), once its previous stream write is
+        done: RPC may run two calls of one caller in either order, and a stream must arrive
+        in order."""
+        previous = self._frame_writes.pop(shard_index, None)
+        if previous is not None:
+            previous.wait()
+        return self.shards[shard_index].rpc_async()
+
+    def _stream_written(self, shard_index: int, future: torch.futures.Future) -> None:
+        self._frame_writes[shard_index] = future
+        self._track(future)
 
     def _extend_frames(self, batch: TensorDictBase) -> None:
-        """Env copy ``n`` writes to shard ``(first_shard + n) % shards``, where its stream of
-        frames goes on from its previous batch."""
+        """Each env copy's stream of frames goes on from its previous batch."""
         if not is_frame_stack(batch):
             raise ValueError("stacked pixel observations changed shape or stopped being a frame stack")
-        copies = torch.arange(batch.shape[0])
-        route = (copies + self._first_shard) % len(self.shards)
-        groups = route.unique().tolist()
-        for shard_index in groups:
-            mine = copies[route == shard_index]
-            part = batch if len(groups) == 1 else batch[mine]
+        routes = self._routes(batch.shape[0])
+        for shard_index, mine in routes:
+            part = batch if len(routes) == 1 else batch[mine]
             first = part[OBSERVATION][:, 0]
             linked = torch.tensor(
                 [
@@ -145,15 +174,34 @@ class ReplayClient:
             rows, frames, counts = pack(part, linked)
             for i, n in enumerate(mine.tolist()):
                 self._newest[n] = part[NEXT_OBSERVATION][i, -1].clone()
-            # RPC may run two calls of one caller in either order; a stream must arrive in order.
-            previous = self._frame_writes.get(shard_index)
-            if previous is not None:
-                previous.wait()
             streams = [f"{self._writer}/{n}" for n in mine.tolist()]
             depth = part[OBSERVATION].shape[2]
-            future = self.shards[shard_index].rpc_async().extend_frames(rows, frames, counts, streams, depth)
-            self._frame_writes[shard_index] = future
-            self._track(future)
+            shard = self._stream_writer(shard_index)
+            self._stream_written(shard_index, shard.extend_frames(rows, frames, counts, streams, depth))
+
+    def _extend_sequences(self, items: TensorDictBase, overlap: int) -> None:
+        """Each env copy's sequences go on from its previous one: a sequence whose first
+        ``overlap`` observations are the previous one's last sends only the rest."""
+        if not is_pixel_sequences(items):
+            raise ValueError("sequences of pixel observations changed shape or stopped being pixels")
+        length = items[OBSERVATION].shape[2]
+        for shard_index, mine in self._routes(items.shape[0]):
+            frames, linked, streams = [], [], []
+            for n in mine.tolist():
+                for observation in items[OBSERVATION][n]:  # this copy's sequences, in order
+                    previous = self._newest.get(n)
+                    goes_on = overlap > 0 and previous is not None
+                    goes_on = goes_on and torch.equal(observation[:overlap], previous)
+                    frames.append(observation[overlap:] if goes_on else observation)
+                    linked.append(goes_on)
+                    streams.append(f"{self._writer}/{n}")
+                    self._newest[n] = observation[length - overlap :]
+                self._newest[n] = self._newest[n].clone()  # not a view that keeps the batch alive
+            rows = items[mine].exclude(OBSERVATION).reshape(-1)
+            new = torch.cat(frames)
+            shard = self._stream_writer(shard_index)
+            future = shard.extend_sequences(rows, new, torch.tensor(linked), streams, length, overlap)
+            self._stream_written(shard_index, future)
 
     @timed("sample_wait")
     def sample(self, prefetch: bool = True) -> TensorDictBase:
@@ -165,7 +213,9 @@ class ReplayClient:
                 self._requests.append(self._request())
         batch = self._batches.popleft()
         self.sampled += batch.numel()
-        if PIXELS in batch.keys():
+        if PIXELS in batch.keys() and self._layout == SEQUENCES:
+            batch[OBSERVATION] = batch.pop(PIXELS)
+        elif PIXELS in batch.keys():
             # One uint8 tensor came over the wire; the two stacks are views into it.
             pixels = batch.pop(PIXELS)
             batch[OBSERVATION], batch[NEXT_OBSERVATION] = pixels[:, :-1], pixels[:, 1:]

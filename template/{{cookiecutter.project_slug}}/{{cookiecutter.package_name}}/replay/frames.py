@@ -1,4 +1,4 @@
-"""Stacked pixel observations stored frame by frame, each frame once.
+"""Pixel observations stored once: stacked ones frame by frame, sequences step by step.
 
 Atari observations are uint8 ``[4, 84, 84]`` stacks, newest frame last, and each next
 observation is the observation moved on by one frame. Stored naively, a transition holds
@@ -12,6 +12,13 @@ stack is stored whole (ale-py fills it with zeros), so no frame of an earlier ep
 enter a stack. torchrl's prioritized samplers draw whole stored rows
 (``PrioritizedSliceSampler``: slices of trajectories), not single transitions over shared
 frames: that part is ours.
+
+Sequences of pixel observations (R2D2's replay items, ``[copies, sequences]``, each entry
+a sequence's steps) are stored step by step, each step's observation once: each env copy's
+sequences form a stream, and a sequence that starts with the previous one's last
+``overlap`` steps (R2D2's overlapping sequences) names their stored observations and
+brings only the rest. Each step's observation is stored whole, so with stacked frames
+(``env.frame_stack`` above 1) a frame is in several stacks; R2D2 plays single frames.
 """
 
 from __future__ import annotations
@@ -127,6 +134,15 @@ def is_frame_stack(batch: TensorDictBase) -> bool:
     if observation.dtype != torch.uint8 or observation.ndim != 5 or observation.shape[2] < 2:
         return False
     return torch.equal(batch[NEXT_OBSERVATION][:, :, :-1], observation[:, :, 1:])
+
+
+def is_pixel_sequences(items: TensorDictBase) -> bool:
+    """Whether ``items`` (``[copies, sequences]``) are sequences of pixel observations:
+    uint8 images ``[channels, height, width]`` at each of a sequence's steps."""
+    if items.ndim != 2 or OBSERVATION not in items.keys():
+        return False
+    observation = items[OBSERVATION]
+    return observation.dtype == torch.uint8 and observation.ndim == 6
 
 
 def pack(batch: TensorDictBase, linked: torch.Tensor) -> tuple[TensorDictBase, torch.Tensor, torch.Tensor]:

@@ -38,9 +38,11 @@ class SavedShard:
         slots = written[torch.argsort(generation[written] * capacity + written)]
         self.rows = buffer[slots].exclude("index")
         self.priorities = torch.ones(len(slots)) if uniform else stored_priorities(buffer, slots)
-        # As many frames as transitions, as ReplayShard makes its FrameStore.
+        # The frames a row adds to its stream, as ReplayShard's ``frame_shift`` (absent:
+        # saved before sequences had frames), and as many frames per row as it kept.
+        self.shift = self.counts.get("frame_shift", 1)
         self.frames = FrameStore.saved(
-            folder, capacity, self.counts["frames_written"], tuple(self.counts["frame_shape"])
+            folder, capacity * self.shift, self.counts["frames_written"], tuple(self.counts["frame_shape"])
         )
 
     @staticmethod
@@ -56,18 +58,19 @@ class SavedShard:
         return self.frames.holds(self.rows[FRAMES])
 
     def groups(self) -> torch.Tensor:
-        """A group per row: rows that share frames (one env copy's steps of an episode:
-        each observation is the previous one moved on by a frame) name the same group, the
-        position of its oldest row; other rows (and rows whose frames are gone) are groups
-        of their own."""
+        """A group per row: rows that share frames (one env copy's steps of an episode,
+        each observation the previous one moved on by a frame; or one env copy's
+        overlapping sequences) name the same group, the position of its oldest row; other
+        rows (and rows whose frames are gone) are groups of their own."""
         count = len(self.rows)
         own = torch.arange(count)
-        if FRAMES not in self.rows.keys() or count == 0:
+        if FRAMES not in self.rows.keys() or count == 0 or self.shift >= self.rows[FRAMES].shape[1]:
             return own
         stamps = self.rows[FRAMES]
-        # A row goes on from the row whose observation's second frame is its first.
+        # A row goes on from the row whose frame ``shift`` places in is its first (a
+        # transition's observation's second frame; the first step a sequence passes on).
         firsts = stamps[:, 0].contiguous()
-        seconds, order = stamps[:, 1].sort()
+        seconds, order = stamps[:, self.shift].sort()
         at = torch.searchsorted(seconds, firsts).clamp(max=count - 1)
         goes_on = (seconds[at] == firsts) & self.framed()
         previous = torch.where(goes_on, order[at], own)
@@ -79,8 +82,9 @@ class SavedShard:
 
 
 class Dealer:
-    """Deals a checkpoint's rows to ``parts`` shards of ``capacity`` transitions (and as
-    many frames) each, one saved shard after another, keeping count of what each part got.
+    """Deals a checkpoint's rows to ``parts`` shards of ``capacity`` items (and as many
+    frames times the frames each adds) each, one saved shard after another, keeping count
+    of what each part got.
 
     Rows with frames go first, group by group (``SavedShard.groups``), oldest first, each
     to the part with the fewest frames so far, whole while it fits; a group that fits
@@ -99,7 +103,10 @@ class Dealer:
         owner = torch.empty(len(source.rows), dtype=torch.long)
         framed = source.framed()
         if framed.any():
-            depth = source.rows[FRAMES].shape[1] - 1
+            # A group's piece of ``piece`` rows holds piece * shift frames, plus those its
+            # first row shares with the row before (a transition's stack less one frame).
+            shift, shared = source.shift, source.rows[FRAMES].shape[1] - source.shift
+            room_for = self.capacity * shift
             rows = torch.nonzero(framed).squeeze(-1)
             groups = source.groups()[rows]
             rows = rows[torch.argsort(groups, stable=True)]  # group by group, each oldest first
@@ -107,10 +114,10 @@ class Dealer:
             for size in torch.unique(groups, return_counts=True)[1].tolist():
                 while size:
                     part = min(range(len(self.frames)), key=self.frames.__getitem__)
-                    room = self.capacity - self.frames[part] - depth  # a piece's frames: rows + depth
+                    room = (room_for - self.frames[part] - shared) // shift
                     piece = size if room <= 0 else min(size, room)  # every part full: its oldest go
                     owner[rows[start : start + piece]] = part
-                    self.frames[part] += piece + depth
+                    self.frames[part] += piece * shift + shared
                     self.rows[part] += piece
                     start, size = start + piece, size - piece
         rest = torch.nonzero(~framed).squeeze(-1)

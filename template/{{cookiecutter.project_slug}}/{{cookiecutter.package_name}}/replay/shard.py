@@ -4,7 +4,8 @@ Each shard is one ``TensorDictPrioritizedReplayBuffer`` that owns its writer cur
 tree (a ``TensorDictReplayBuffer`` drawing uniformly, with ``alpha`` 0), so learners write
 through it over RPC and no cursor is shared between processes (the failure of
 worker-local buffers on shared storage, where each cursor overwrites the others). Stacked
-pixel observations are stored frame by frame (frames.py); a checkpoint's shards resume on
+pixel observations are stored frame by frame, and sequences of pixel observations step by
+step (frames.py); a checkpoint's shards resume on
 another number of shards, or with another ``alpha`` (resharding.py).
 """
 
@@ -80,11 +81,15 @@ class ReplayShard:
             # RandomSampler draws alike with no tree to keep, and the learners send no
             # priorities (ReplayClient's ``prioritized``).
             self.buffer = TensorDictReplayBuffer(storage=transitions, sampler=RandomSampler())
-        # Created for stacked pixel observations, at their first write (see extend_frames).
-        # As many frames as transitions: a frame per step, plus a reset stack per episode,
-        # so the oldest transitions of a full shard (4 / episode length of them) have lost
-        # a frame; sampling draws those again.
-        self.frames = FrameStore(capacity, folder / "frames.memmap" if storage == MEMMAP and folder else None)
+        # Allocated at the first write of pixels (extend_frames, extend_sequences). As many
+        # frames as items times the frames an item adds to its stream (``frame_shift``): a
+        # transition's stacks add a frame per step, plus a reset stack per episode, so the
+        # oldest transitions of a full shard (4 / episode length of them) have lost a frame;
+        # a sequence adds the steps it does not share with the one before. Sampling draws
+        # items that lost a frame again.
+        self.frame_file = folder / "frames.memmap" if storage == MEMMAP and folder else None
+        self.frame_shift = 1
+        self.frames = FrameStore(capacity, self.frame_file)
         self.tails: dict[str, torch.Tensor] = {}  # stream -> stamps of its newest stack
         self.shard = shard
         # How often each slot has been written. A priority computed for a transition that
@@ -127,6 +132,50 @@ class ReplayShard:
             self.generation[index] += 1
             self.inserted += transitions.numel()
 
+    def extend_sequences(
+        self,
+        rows: TensorDictBase,
+        frames: torch.Tensor,
+        linked: torch.Tensor,
+        streams: list[str],
+        length: int,
+        overlap: int,
+    ) -> None:
+        """Store sequences of ``length`` steps of pixel observations, each step's once:
+        ``rows`` ``[sequences]`` without their observations, each stream's in order; the
+        new observations, one after the other; per row, whether it is ``linked`` (it starts
+        with the last ``overlap`` observations of its stream's previous sequence, and
+        brings only the rest); and each row's stream."""
+        with self._lock:
+            self._frames_per_item(length - overlap)
+            first = self.frames.write(frames)
+            counts = torch.where(linked, length - overlap, length)
+            starts = first + torch.cumsum(counts, 0) - counts
+            stamps = torch.empty(len(rows), length, dtype=torch.long)
+            for row, (name, goes_on) in enumerate(zip(streams, linked.tolist(), strict=True)):
+                shared = overlap if goes_on else 0
+                if goes_on and name not in self.tails:
+                    raise RuntimeError(f"shard {self.shard}: a stream goes on from frames it never got")
+                if shared:
+                    stamps[row, :shared] = self.tails[name]
+                stamps[row, shared:] = torch.arange(int(starts[row]), int(starts[row]) + length - shared)
+                self.tails[name] = stamps[row, length - overlap :].clone()
+            rows[FRAMES] = stamps
+            index = self.buffer.extend(rows)
+            self.generation[index] += 1
+            self.inserted += len(rows)
+
+    def _frames_per_item(self, shift: int) -> None:
+        """Make the frame store hold ``shift`` frames per item (``frame_shift``), for items
+        that each add ``shift`` frames to their stream; only before any frame is stored."""
+        if shift == self.frame_shift:
+            return
+        if self.frames.written:
+            before = self.frame_shift
+            raise RuntimeError(f"shard {self.shard}: items went from {before} new frames each to {shift}")
+        self.frame_shift = shift
+        self.frames = FrameStore(len(self.generation) * shift, self.frame_file)
+
     def attach(self, reader: str, paths: list[str], nbytes: int) -> bool:
         """Map the reply slots (files of ``nbytes``) of the learner named ``reader``; False
         when they are not on this machine."""
@@ -161,19 +210,19 @@ class ReplayShard:
             return batch, float(size), (1.0 if size else math.inf)
 
     def _with_pixels(self, batch: TensorDictBase, slot: torch.Tensor | None) -> TensorDictBase:
-        """``batch`` with each transition's frames (``PIXELS``: its observation's stack and
-        the next observation's newest frame) in place of their stamps, or, given a reply
-        ``slot``, without them: they are in the slot. A transition whose frames were
-        overwritten is drawn again: this is rejection sampling, so the draws stay
-        distributed by priority (or uniformly) over the transitions that still have their
-        frames."""
+        """``batch`` with each item's frames (``PIXELS``: a transition's observation stack
+        and the next observation's newest frame, or a sequence's observations) in place of
+        their stamps, or, given a reply ``slot``, without them: they are in the slot. An
+        item whose frames were overwritten is drawn again: this is rejection sampling, so
+        the draws stay distributed by priority (or uniformly) over the items that still
+        have their frames."""
         for _ in range(REDRAWS):
             lost = ~self.frames.holds(batch[FRAMES])
             if not lost.any():
                 break
             batch[lost] = self.buffer.sample(int(lost.sum()))
         else:
-            raise RuntimeError(f"shard {self.shard}: too few transitions still have their frames")
+            raise RuntimeError(f"shard {self.shard}: too few items still have their frames")
         if slot is None:
             batch[PIXELS] = self.frames.read(batch[FRAMES])
         else:
@@ -204,6 +253,7 @@ class ReplayShard:
                 "stale_updates": self.stale_updates,
                 "frames_written": self.frames.written,
                 "frame_shape": self.frames.frame_shape,
+                "frame_shift": self.frame_shift,
             }
             self.frames.save(Path(folder))
             torch.save(counts, Path(folder) / "shard.pt")
@@ -215,6 +265,7 @@ class ReplayShard:
             counts = torch.load(Path(folder) / "shard.pt", weights_only=True)
             self.generation = counts["generation"]
             self.inserted, self.stale_updates = counts["inserted"], counts["stale_updates"]
+            self._frames_per_item(counts.get("frame_shift", 1))  # absent: saved before sequences had frames
             self.frames.load(Path(folder), counts["frames_written"], tuple(counts["frame_shape"]))
 
     def restore(self, saved: Sequence[str | Path], part: int, parts: int) -> None:
@@ -235,6 +286,8 @@ class ReplayShard:
         with self._lock:
             for folder in saved:
                 source = SavedShard(Path(folder))
+                if source.frames.written:
+                    self._frames_per_item(source.shift)
                 inserted += source.counts["inserted"]
                 stale_updates += source.counts["stale_updates"]
                 self._write_restored(source, dealer.deal(source) == part)
