@@ -282,13 +282,18 @@ SMALL = [
 ATARI_SHORT = "env.kwargs.max_num_frames_per_episode=800"
 
 
-def replay_sample(run_dir: Path) -> dict:
-    """Four transitions from the run's replay shard, as its checkpoint restores it."""
+def saved_shard(run_dir: Path) -> ReplayShard:
+    """The run's (first) replay shard, as its checkpoint restores it."""
     (folder,) = (run_dir / "checkpoints").glob("frames-*")
     cfg = OmegaConf.load(run_dir / "config.yaml")
     shard = ReplayShard(cfg.replay.capacity, cfg.replay.alpha, cfg.replay.beta)
     shard.load(str(folder / "replay-0"))
-    batch, *_ = shard.sample(4)
+    return shard
+
+
+def replay_sample(run_dir: Path) -> dict:
+    """Four items from the run's replay shard, as its checkpoint restores it."""
+    batch, *_ = saved_shard(run_dir).sample(4)
     return batch
 
 

@@ -25,8 +25,8 @@ from .conftest import (
     learners_run,
     read_summary,
     replay_items,
-    replay_sample,
     run_command,
+    saved_shard,
     tiny_overrides,
 )
 
@@ -287,30 +287,36 @@ def test_r2d2_trains_on_three_learners_identically_with_exact_frames_and_resumes
 
 
 @pytest.mark.slow
-def test_the_atari_defaults_replay_sequences_of_single_frames(tmp_path):
+def test_the_atari_defaults_replay_sequences_of_single_frames_each_stored_once(tmp_path):
     """recipe=r2d2 on Atari takes the paper's sequences (80 steps overlapping by 40) of
-    single 84x84 frames (env.frame_stack=1) and its dueling head, here on 2 games and a
-    small network: 3 batches
-    of 80 steps give each game's sequences starting at steps 0, 40, 80, 120 and 160, each
-    one replay item of 80 frames; the run trains on them and plays its greedy episode."""
+    single 84x84 frames (env.frame_stack=1) and its dueling head, here on 2 learners of 2
+    games each, a replay process and a small network: 3 batches of 80 steps give each
+    game's sequences starting at steps 0, 40, 80, 120 and 160, each one replay item of 80
+    frames, which reach the learners through shared memory. The replay process stores each
+    frame once: as many frames as were collected. The run trains and plays its greedy
+    episode, its learners identical."""
     pytest.importorskip("ale_py", reason="needs the [atari] extra")
     small = [
         "env.num_envs=2",
         "collector.frames_per_batch=160",
-        "total_frames=480",
-        "replay.capacity=16",
+        "total_frames=960",
+        "replay.capacity=32",
         "algo.learning_starts=0",
-        "algo.batch_size=2",
+        "algo.batch_size=4",
         "algo.hidden_sizes=[32]",
         "algo.lstm_hidden_size=32",
         "eval.episodes=1",
-        "checkpoint.every=480",
+        "checkpoint.every=960",
     ]
     overrides = ["recipe=r2d2", "env.id=ALE/Pong-v5", ATARI_SHORT, *small, f"run_dir={tmp_path}"]
-    summary = read_summary(run_command([sys.executable, "train.py", *overrides]))
-    assert summary["frames_collected"] == 480 and summary["replay_size"] == 10
-    assert summary["updates"] == 3 and math.isfinite(summary["eval_return"])
-    sample = replay_sample(tmp_path)  # as a shard samples them: the frames each stored once
+    summary = read_summary(learners_run(2, *overrides))
+    assert summary["frames_collected"] == 960 and summary["replay_size"] == 20
+    assert summary["replay_shared_memory_readers"] == [2]
+    assert summary["updates"] == 6 and math.isfinite(summary["eval_return"])
+    assert len(set(summary["learner_param_checksums"].values())) == 1
+    shard = saved_shard(tmp_path)
+    assert shard.frames.written == 960
+    sample, *_ = shard.sample(4)
     assert sample[PIXELS].shape == (4, 80, 1, 84, 84) and sample[PIXELS].dtype == torch.uint8
     agent = torch.load(tmp_path / checkpoint.FINAL, weights_only=True)["agent"]
     assert agent["q_network.head.value.0.weight"].shape == (32, 32)
