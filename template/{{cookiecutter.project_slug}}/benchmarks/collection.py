@@ -179,7 +179,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    workers = sorted({int(count) for count in args.workers.split(",")} | {1})
+    try:
+        workers = sorted({int(count) for count in args.workers.split(",")} | {1})
+    except ValueError:
+        workers = [0]
     if workers[0] < 1 or any(args.envs % count for count in workers):
         parser.error(f"--workers must be counts >= 1 that divide --envs ({args.envs}), got {args.workers}")
 
