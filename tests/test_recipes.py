@@ -89,7 +89,7 @@ def test_recipe_follows_the_interface_and_its_loss_trains(name):
     agent.after_collect(batch, batch.numel(), lambda values: values)  # one learner: its own sums
     if recipe.Agent.uses_replay:  # as replay stores and samples them: transitions, or sequences
         make_items = getattr(agent, "replay_items", None)
-        batch = make_items(batch) if make_items else batch.reshape(-1).select(*agent.batch_keys)
+        batch = (make_items(batch) if make_items else batch.select(*agent.batch_keys)).reshape(-1)
         batch["priority_weight"] = torch.ones(batch.shape)
     else:
         batch = batch.reshape(-1)
