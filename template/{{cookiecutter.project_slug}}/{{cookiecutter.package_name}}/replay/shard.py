@@ -5,8 +5,8 @@ tree (a ``TensorDictReplayBuffer`` drawing uniformly, with ``alpha`` 0), so lear
 through it over RPC and no cursor is shared between processes (the failure of
 worker-local buffers on shared storage, where each cursor overwrites the others). Stacked
 pixel observations are stored frame by frame, and sequences of pixel observations step by
-step (frames.py); a checkpoint's shards resume on
-another number of shards, or with another ``alpha`` (resharding.py).
+step (frames.py); a checkpoint's shards resume on another number of shards, or with
+another ``alpha`` (resharding.py).
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ class ReplayShard:
         self.frame_file = folder / "frames.memmap" if storage == MEMMAP and folder else None
         self.frame_shift = 1
         self.frames = FrameStore(capacity, self.frame_file)
-        self.tails: dict[str, torch.Tensor] = {}  # stream -> stamps of its newest stack
+        # Stream -> the stamps its next item may go on from: its newest stack (transitions),
+        # or its last sequence's last ``overlap`` steps (sequences).
+        self.tails: dict[str, torch.Tensor] = {}
         self.shard = shard
         # How often each slot has been written. A priority computed for a transition that
         # has since been overwritten belongs to the old occupant: it is dropped.
