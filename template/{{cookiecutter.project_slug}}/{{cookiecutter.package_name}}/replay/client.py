@@ -195,8 +195,7 @@ class ReplayClient:
                     frames.append(observation[overlap:] if goes_on else observation)
                     linked.append(goes_on)
                     streams.append(f"{self._writer}/{n}")
-                    self._newest[n] = observation[length - overlap :]
-                self._newest[n] = self._newest[n].clone()  # not a view that keeps the batch alive
+                    self._newest[n] = observation[length - overlap :].clone()  # not a view of the batch
             rows = items[mine].exclude(OBSERVATION).reshape(-1)
             new = torch.cat(frames)
             shard = self._stream_writer(shard_index)

@@ -87,9 +87,8 @@ class ReplayShard:
         # oldest transitions of a full shard (4 / episode length of them) have lost a frame;
         # a sequence adds the steps it does not share with the one before. Sampling draws
         # items that lost a frame again.
-        self.frame_file = folder / "frames.memmap" if storage == MEMMAP and folder else None
         self.frame_shift = 1
-        self.frames = FrameStore(capacity, self.frame_file)
+        self.frames = FrameStore(capacity, folder / "frames.memmap" if storage == MEMMAP and folder else None)
         # Stream -> the stamps its next item may go on from: its newest stack (transitions),
         # or its last sequence's last ``overlap`` steps (sequences).
         self.tails: dict[str, torch.Tensor] = {}
@@ -176,7 +175,7 @@ class ReplayShard:
             before = self.frame_shift
             raise RuntimeError(f"shard {self.shard}: items went from {before} new frames each to {shift}")
         self.frame_shift = shift
-        self.frames = FrameStore(len(self.generation) * shift, self.frame_file)
+        self.frames = FrameStore(len(self.generation) * shift, self.frames.file)
 
     def attach(self, reader: str, paths: list[str], nbytes: int) -> bool:
         """Map the reply slots (files of ``nbytes``) of the learner named ``reader``; False
