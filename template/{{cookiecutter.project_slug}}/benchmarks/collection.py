@@ -39,7 +39,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import multiprocessing
+import os
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import gymnasium as gym
 import numpy as np
@@ -52,6 +58,7 @@ from torchrl.collectors import Collector
 from torchrl.modules import MLP, AdditiveGaussianModule, ConvNet, EGreedyModule, QValueActor
 
 from {{ cookiecutter.package_name }}.collector import make_collector
+from {{ cookiecutter.package_name }}.distributed.watchdog import exit_status
 from {{ cookiecutter.package_name }}.envs import ATARI, atari_vector_settings, family_of, make_env
 
 NOISE = 0.1  # epsilon, or the Gaussian noise's standard deviation
@@ -142,27 +149,58 @@ def collector_rate(
     """Frames and seconds of a collector, its first batch not counted."""
     frames_per_batch = BATCH_STEPS * num_envs
     total = (-(-frames // frames_per_batch) + 1) * frames_per_batch  # whole batches, and the first
-    if kind == "project":
-        cfg = OmegaConf.create(
-            {
-                "env": {**env, "num_envs": num_envs},
-                "collector": {"frames_per_batch": frames_per_batch, "mode": "sync", "workers": workers},
-            }
-        )
-        collector = make_collector(cfg, policy, seed=0, total_frames=total, device=torch.device("cpu"))
-    else:
-        same_step = make_env(env, num_envs, seed=0, training=False)
-        collector = Collector(same_step, policy, frames_per_batch=frames_per_batch, total_frames=total)
-    iterator = iter(collector)
-    first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up
-    collected = 0
-    started = time.perf_counter()
-    for batch in iterator:
-        collected += batch.numel()
-    elapsed = time.perf_counter() - started
+    with workers_watched():
+        if kind == "project":
+            cfg = OmegaConf.create(
+                {
+                    "env": {**env, "num_envs": num_envs},
+                    "collector": {"frames_per_batch": frames_per_batch, "mode": "sync", "workers": workers},
+                }
+            )
+            collector = make_collector(cfg, policy, seed=0, total_frames=total, device=torch.device("cpu"))
+        else:
+            same_step = make_env(env, num_envs, seed=0, training=False)
+            collector = Collector(same_step, policy, frames_per_batch=frames_per_batch, total_frames=total)
+        iterator = iter(collector)
+        first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up
+        collected = 0
+        started = time.perf_counter()
+        for batch in iterator:
+            collected += batch.numel()
+        elapsed = time.perf_counter() - started
     collector.shutdown()
     assert first.numel() == frames_per_batch
     return collected, elapsed
+
+
+@contextmanager
+def workers_watched() -> Iterator[None]:
+    """Exit with one line if a worker process that the block starts dies: torchrl's
+    MultiSyncCollector would wait for it forever, while it starts or for its batch, and this
+    script has no watchdog (a learner's stops the run)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        seen: set[multiprocessing.Process] = set()
+        while not done.wait(1.0):
+            alive = multiprocessing.active_children()
+            seen.update(alive)
+            for process in seen.difference(alive):
+                if process.exitcode:
+                    status = exit_status(process.exitcode)
+                    print(f"error: collector worker {process.name} died: {status}", file=sys.stderr)
+                    sys.stderr.flush()
+                    for survivor in multiprocessing.active_children():
+                        survivor.kill()
+                    os._exit(1)  # the main thread waits in torchrl and cannot be woken
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def main() -> None:
