@@ -156,7 +156,8 @@ def _bindable(port: int) -> bool:
 def command_env() -> dict[str, str]:
     # Scripts under benchmarks/ import the package as an installed project would.
     pythonpath = os.pathsep.join(filter(None, [str(PROJECT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath}
+    # A process that crashes (SIGSEGV, SIGABRT) prints its threads' Python stacks.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, "PYTHONFAULTHANDLER": "1"}
 
 
 def run_command(
@@ -252,6 +253,10 @@ def failure_report(result: subprocess.CompletedProcess) -> str:
     the C++ stack frames torch prints with its store warnings once a rank has gone."""
     lines = result.stderr.splitlines()
     reasons = [line for line in lines if "stopping:" in line or "error:" in line]
+    # A crash's own words: C++'s uncaught exception, and the stacks faulthandler printed.
+    for start, line in enumerate(lines):
+        if "terminate called" in line or "Fatal Python error" in line:
+            reasons += lines[start : start + 40]
     stderr = "\n".join(line for line in lines if not re.match(r"\s*frame #\d+: ", line))
     return "\n".join([*reasons, result.stdout[-2000:], stderr[-2000:]])
 

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from .. import checkpoint, logs
 from ..replay import ReplayShard
 from . import restarts, topology
-from .watchdog import STOP_SIGNALS, Watchdog, signals_ignored
+from .watchdog import STOP_SIGNALS, Watchdog, exit_status, signals_ignored
 
 log = logging.getLogger(__name__)
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def start(cfg: DictConfig, plan: topology.Topology, served: topology.Endpoints, 
 
 def join(processes: list[subprocess.Popen], timeout_s: float) -> None:
     """Rank 0, once the RPC world has shut down and its watchdog has stopped: wait for the
-    replay processes to exit."""
+    replay processes to exit. Each had served its shard to the end (a death before that
+    stops the run), so an exit that fails costs the run nothing, but is said."""
     for process in processes:
         try:
             process.wait(timeout_s)
@@ -85,6 +86,10 @@ def join(processes: list[subprocess.Popen], timeout_s: float) -> None:
             log.warning("replay process %d did not exit within %g s: killed", process.pid, timeout_s)
             process.kill()
             process.wait()
+        else:
+            if process.returncode != 0:
+                status = exit_status(process.returncode)
+                log.warning("replay process %d ended after its part of the run: %s", process.pid, status)
 
 
 def main(argv: list[str]) -> int:

@@ -178,7 +178,9 @@ class Watchdog:
                 if not self.stop.is_set() and self.store.check([STOP]):
                     self.stop.request(self.store.get(STOP).decode())
                 for rank, process in list(self.children.items()):  # adopt() may add one meanwhile
-                    if process.poll():
+                    # A child that closed its watchdog has done its part: how its exit went
+                    # is for replay_processes.join to tell, not a death that stops the run.
+                    if process.poll() and not self.store.check([f"closed/{rank}"]):
                         self._give_up(f"{self.label(rank)} died: {exit_status(process.returncode)}")
                 now = time.monotonic()
                 for rank in others:
