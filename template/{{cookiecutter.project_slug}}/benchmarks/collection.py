@@ -40,7 +40,6 @@ import argparse
 import functools
 import json
 import multiprocessing
-import os
 import sys
 import threading
 import time
@@ -58,7 +57,7 @@ from torchrl.collectors import Collector
 from torchrl.modules import MLP, AdditiveGaussianModule, ConvNet, EGreedyModule, QValueActor
 
 from {{ cookiecutter.package_name }}.collector import make_collector
-from {{ cookiecutter.package_name }}.distributed.watchdog import exit_status
+from {{ cookiecutter.package_name }}.distributed.watchdog import exit_now, exit_status
 from {{ cookiecutter.package_name }}.envs import ATARI, atari_vector_settings, family_of, make_env
 
 NOISE = 0.1  # epsilon, or the Gaussian noise's standard deviation
@@ -189,10 +188,7 @@ def workers_watched() -> Iterator[None]:
                 if process.exitcode:
                     status = exit_status(process.exitcode)
                     print(f"error: collector worker {process.name} died: {status}", file=sys.stderr)
-                    sys.stderr.flush()
-                    for survivor in multiprocessing.active_children():
-                        survivor.kill()
-                    os._exit(1)  # the main thread waits in torchrl and cannot be woken
+                    exit_now(1, [])  # the main thread waits in torchrl and cannot be woken
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()

@@ -180,7 +180,7 @@ class Watchdog:
                 for rank, process in list(self.children.items()):  # adopt() may add one meanwhile
                     # A child that closed its watchdog has done its part: how its exit went
                     # is for replay_processes.join to tell, not a death that stops the run.
-                    if process.poll() and not self.store.check([f"closed/{rank}"]):
+                    if process.poll() and not self._closed(rank):
                         self._give_up(f"{self.label(rank)} died: {exit_status(process.returncode)}")
                 now = time.monotonic()
                 for rank in others:
@@ -191,7 +191,7 @@ class Watchdog:
                         continue
                     limit = self.startup_s if count == 0 else self.timeout_s
                     # A rank that closed its watchdog has finished (it stops beating then), not died.
-                    if now - since > limit and not self.store.check([f"closed/{rank}"]):
+                    if now - since > limit and not self._closed(rank):
                         what = "did not start" if count == 0 else "stopped"
                         self._give_up(f"{self.label(rank)} {what}: no heartbeat for {limit:g} s")
             except STORE_ERRORS:
@@ -216,6 +216,10 @@ class Watchdog:
                 self.store.set(f"closed/{me}", "1")
         except STORE_ERRORS as error:
             log.warning("closing the watchdog's store: %s", str(error).splitlines()[0])
+
+    def _closed(self, rank: int) -> bool:
+        """Whether ``rank`` closed its watchdog: it has done its part of the run."""
+        return self.store.check([f"closed/{rank}"])
 
     def adopt(self, rank: int, process: subprocess.Popen) -> None:
         """Watch ``process``, this process's child hosting ``rank``: the run stops if it dies,
@@ -265,7 +269,7 @@ class Watchdog:
         self._tell_others(FAILED, reason)
         if self.topology.rank == 0:
             time.sleep(2 * INTERVAL_S)
-        _exit_now(1, list(self.children.values()))
+        exit_now(1, list(self.children.values()))
 
 
 def exit_status(code: int) -> str:
@@ -273,7 +277,7 @@ def exit_status(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _exit_now(code: int, children: list[subprocess.Popen]) -> None:
+def exit_now(code: int, children: list[subprocess.Popen]) -> None:
     """Leave at once: whatever the main thread waits in (an RPC, a gloo collective, the RPC
     shutdown barrier) cannot be woken safely, and interpreter shutdown would wait for it.
     Child processes (an async collector, replay processes) are killed first: one that hangs
