@@ -35,7 +35,8 @@ $(TRACKERS_VENV)/.installed: $(VENV)/.installed
 
 DEMO_RUN := $(DEMO_DIR)/my-rl-project/runs/demo
 
-demo: install
+# The demo needs the main venv only, not the trackers' one.
+demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(BIN)/cookiecutter --no-input . --output-dir $(DEMO_DIR)
 	cd $(DEMO_DIR)/my-rl-project && PATH="$(abspath $(BIN)):$$PATH" \
@@ -68,7 +69,7 @@ test: install slurm
 # lints a baked project too).
 LINT_DIR ?= build/lint
 
-lint: install
+lint: $(VENV)/.installed
 	$(BIN)/ruff check --no-cache tests template/hooks
 	rm -rf $(LINT_DIR) && mkdir -p $(LINT_DIR)
 	$(BIN)/cookiecutter --no-input . --output-dir $(LINT_DIR)
