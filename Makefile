@@ -35,7 +35,7 @@ $(TRACKERS_VENV)/.installed: $(VENV)/.installed
 
 DEMO_RUN := $(DEMO_DIR)/my-rl-project/runs/demo
 
-# The demo needs the main venv only, not the trackers' one.
+# The main venv only: the demo logs to no tracker (the trackers' venv is for make test).
 demo: $(VENV)/.installed
 	rm -rf $(DEMO_DIR) && mkdir -p $(DEMO_DIR)
 	$(BIN)/cookiecutter --no-input . --output-dir $(DEMO_DIR)
