@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 FAILED = "failed"  # the first failure's message; later ones do not overwrite it
 STOP = "stop"  # the name of the first stop signal any rank received
+CLOSED = "closed/{rank}"  # set by a rank other than 0 once it has closed its watchdog
 # SIGUSR1: what slurm.sh asks SLURM to send before the time limit (#SBATCH --signal).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # What a store call raises once the store is gone.
@@ -210,16 +211,16 @@ class Watchdog:
         me = self.topology.rank
         try:
             if me == 0:
-                others = [f"closed/{rank}" for rank in range(1, self.topology.world_size)]
+                others = [CLOSED.format(rank=rank) for rank in range(1, self.topology.world_size)]
                 self.store.wait(others, timedelta(seconds=self.timeout_s))
             else:
-                self.store.set(f"closed/{me}", "1")
+                self.store.set(CLOSED.format(rank=me), "1")
         except STORE_ERRORS as error:
             log.warning("closing the watchdog's store: %s", str(error).splitlines()[0])
 
     def _closed(self, rank: int) -> bool:
         """Whether ``rank`` closed its watchdog: it has done its part of the run."""
-        return self.store.check([f"closed/{rank}"])
+        return self.store.check([CLOSED.format(rank=rank)])
 
     def adopt(self, rank: int, process: subprocess.Popen) -> None:
         """Watch ``process``, this process's child hosting ``rank``: the run stops if it dies,
