@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import sys
 import time
 
@@ -12,7 +13,7 @@ import torch
 from {{ cookiecutter.package_name }} import recipes
 from {{ cookiecutter.package_name }}.envs import family_of, make_env
 
-from .conftest import RECIPES, fabric_launcher_env, free_port, run_command, tiny_overrides
+from .conftest import PROJECT, RECIPES, fabric_launcher_env, free_port, run_command, tiny_overrides
 
 # Settings the stragglers benchmark chooses itself.
 IGNORED = {"recipe", "total_frames", "eval.every", "collector.sync_frac"}
@@ -39,13 +40,25 @@ def test_vector_envs_benchmark_prints_each_atari_backend():
     assert {"ale, 1 threads", "async, a process a game"} <= set(rates) and min(rates.values()) > 0
 
 
-def test_learning_benchmark_wants_a_target_for_another_env():
+def refusal(monkeypatch, capsys, script: str, *arguments: str) -> tuple[int | str, str, str]:
+    """A benchmark script run in this process as python runs it (its folder first on the
+    path), for a refusal: what it exits with (a string is the line python prints before it
+    exits 1), its standard output and its error. In a process of its own, importing torch
+    would take most of the test's time."""
+    monkeypatch.setattr(sys, "argv", [script, *arguments])
+    monkeypatch.syspath_prepend(str(PROJECT / "benchmarks"))
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(PROJECT / script), run_name="__main__")
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out, captured.err
+
+
+def test_learning_benchmark_wants_a_target_for_another_env(monkeypatch, capsys):
     recipe = RECIPES[0]
     env = "Acrobot-v1" if recipes.load(recipe).RUN_DEFAULTS["env"]["id"] != "Acrobot-v1" else "CartPole-v1"
-    result = run_command([sys.executable, "benchmarks/learning.py", "--recipe", recipe, "--env", env])
-    assert result.returncode == 2
-    assert "target return is for" in result.stderr and f"pass --target for {env}" in result.stderr
-    assert result.stdout == ""
+    code, out, err = refusal(monkeypatch, capsys, "benchmarks/learning.py", "--recipe", recipe, "--env", env)
+    assert code == 2 and out == ""
+    assert "target return is for" in err and f"pass --target for {env}" in err
 
 
 def learning_output(path, curves: list[dict[int, float]]) -> str:
@@ -88,10 +101,9 @@ def test_the_curves_benchmark_draws_each_setting_and_its_mean(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the benchmark would run")
-def test_the_gpu_benchmark_without_a_gpu_stops_in_one_line():
-    result = run_command([sys.executable, "benchmarks/gpu.py", "--frames", "1000"], timeout=60)
-    assert result.returncode == 1
-    assert result.stderr.strip() == "error: benchmarks/gpu.py needs a CUDA device; torch sees none"
+def test_the_gpu_benchmark_without_a_gpu_stops_in_one_line(monkeypatch, capsys):
+    code, out, err = refusal(monkeypatch, capsys, "benchmarks/gpu.py", "--frames", "1000")
+    assert (code, out, err) == ("error: benchmarks/gpu.py needs a CUDA device; torch sees none", "", "")
 
 
 @pytest.mark.slow
@@ -143,10 +155,10 @@ def test_scaling_benchmark_runs_one_and_two_learners_and_draws_them(tmp_path):
     assert figure.read_bytes().startswith(b"\x89PNG") and figure.stat().st_size > 10_000
 
 
-def test_the_scaling_benchmark_refuses_a_count_of_no_learners():
-    result = run_command([sys.executable, "benchmarks/scaling.py", "--learners", "0", "1"], timeout=60)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines()[-1].endswith("--learners: counts must be at least 1, got 0")
+def test_the_scaling_benchmark_refuses_a_count_of_no_learners(monkeypatch, capsys):
+    code, out, err = refusal(monkeypatch, capsys, "benchmarks/scaling.py", "--learners", "0", "1")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines()[-1].endswith("--learners: counts must be at least 1, got 0")
 
 
 @pytest.mark.slow

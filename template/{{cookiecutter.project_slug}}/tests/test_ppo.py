@@ -7,7 +7,6 @@ evaluate.py."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from torchrl.envs import StepCounter
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import set_recurrent_mode
 
-from {{ cookiecutter.package_name }} import checkpoint, evaluate, recipes
+from {{ cookiecutter.package_name }} import checkpoint, evaluate, recipes, train
 from {{ cookiecutter.package_name }}.envs import make_env
 from {{ cookiecutter.package_name }}.recipes import ppo
 
@@ -369,13 +368,14 @@ def test_ppo_on_mujoco_keeps_one_normalisation_on_every_learner_through_resume_a
     assert record["episodes"] == 2 and all(value > 0 for value in record["returns"])
 
 
-def test_cuda_graphs_refuse_a_recurrent_policy_in_one_line(tmp_path):
+def test_cuda_graphs_refuse_a_recurrent_policy_in_one_line(tmp_path, capsys):
     """A CUDA graph cannot record the LSTM through sequences split at episode starts: the
     run stops before any rank starts, wherever it would have run."""
     overrides = ["recipe=ppo", "algo.recurrent=true", "cudagraphs=true", f"run_dir={tmp_path}"]
-    result = run_command([sys.executable, "train.py", *overrides], timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
+    assert train.main(overrides) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not any(tmp_path.iterdir())
+    assert captured.err.strip() == (
         "error: recipe ppo: cudagraphs=true cannot record its recurrent update "
         "(torchrl's LSTM splits sequences at episode starts, by the batch); run it without"
     )
