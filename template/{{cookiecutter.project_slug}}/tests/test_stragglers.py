@@ -40,8 +40,9 @@ def straggler(monkeypatch):
     monkeypatch.setenv("STRAGGLER_STEP_S", str(DELAY_S))
 
 
-def straggler_run(*overrides: str) -> list[str]:
-    return fabric_command(3, "train.py", *tiny_overrides(ON_POLICY[0]), STRAGGLER_ENV, *overrides)
+def straggler_run(*overrides: str, recipe: str | None = None) -> list[str]:
+    recipe = recipe or ON_POLICY[0]
+    return fabric_command(3, "train.py", *tiny_overrides(recipe), STRAGGLER_ENV, *overrides)
 
 
 def last_step(run_dir) -> int:
@@ -113,9 +114,8 @@ def test_a_slow_recurrent_learner_is_cut_short_the_frames_add_up_and_the_run_res
     LSTM's state carried from chunk to chunk by the collector: the threshold cuts a
     learner's sequences as it cuts plain rollouts (benchmarks/stragglers.py's test cuts
     those on real ranks; the minibatches of both are tested above)."""
-    ppo = [*tiny_overrides("ppo"), STRAGGLER_ENV, "algo.recurrent=true", "collector.sync_frac=0.6"]
-    first = [*ppo, "checkpoint.every=1024", f"run_dir={tmp_path}"]
-    summary = read_summary(run_command(fabric_command(3, "train.py", *first, "total_frames=1536")))
+    first = ["algo.recurrent=true", "collector.sync_frac=0.6", "checkpoint.every=1024", f"run_dir={tmp_path}"]
+    summary = read_summary(run_command(straggler_run(*first, "total_frames=1536", recipe="ppo")))
     rollouts = summary["learner_rollouts"]
     slow, fast = rollouts[str(SLOW_RANK)], [rollouts[rank] for rank in ("0", "1")]
     assert slow["cut"] > 0 and 0.25 <= slow["mean_fraction"] < 1, rollouts
@@ -135,7 +135,7 @@ def test_a_slow_recurrent_learner_is_cut_short_the_frames_add_up_and_the_run_res
     # Resumed with two collector processes per learner (collector.workers=2): the threshold
     # cuts their rollouts as it cuts one process's.
     resumed = [*first, "total_frames=3072", "collector.workers=2", f"resume={tmp_path}"]
-    summary = read_summary(run_command(fabric_command(3, "train.py", *resumed)))
+    summary = read_summary(run_command(straggler_run(*resumed, recipe="ppo")))
     assert summary["resumed_from"] == str(last)
     # The frames counted on from the checkpoint's exact count, each learner's own this time.
     assert summary["learner_rollouts"][str(SLOW_RANK)]["cut"] > 0
