@@ -82,7 +82,7 @@ def test_the_guide_adds_a_recipe_that_trains_on_two_learners(tmp_path):
 
     tested = run([sys.executable, *shlex.split(pytest_run)[1:], "-p", "no:cacheprovider"], project)
     assert tested.returncode == 0, tested.stdout[-3000:]
-    # One-process training, its phases adding up to its wall time, its bf16-mixed run, its
+    # One-process training, its phases adding up to its wall time, its update under bf16-mixed, its
     # collector acting with a CPU copy of its policy, its RUN_DEFAULTS twice (the command
     # line wins; config.yaml leaves them to it), an env of the other kind refused,
     # --print-config's sources, its --help, its first update checked, a longer run of it

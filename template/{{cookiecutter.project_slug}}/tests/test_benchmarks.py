@@ -162,26 +162,19 @@ def test_the_scaling_benchmark_refuses_a_count_of_no_learners(monkeypatch, capsy
 
 
 @pytest.mark.slow
-def test_replay_benchmark_measures_rpc_against_in_process():
-    # Uniform shards (alpha 0) over RPC: the prioritized ones are in every replay run's tests.
-    command = [sys.executable, "benchmarks/replay.py", "--learners", "2", "--shards", "2", "--seconds", "0.5"]
-    result = run_command([*command, "--alpha", "0"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert figures["alpha"] == 0
-    rows = figures["rows"]
-    assert set(rows) == {"in-process, before", "rpc, 2 shard(s), 2 learner(s)", "in-process, after"}
-    assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
-
-
-@pytest.mark.slow
-def test_replay_benchmark_on_atari_frames_prints_the_bytes_per_transition():
+def test_replay_benchmark_measures_rpc_on_atari_frames_against_in_process():
+    """Uniform shards (alpha 0; the prioritized ones are in every replay run's tests), two of
+    them, frames over shared memory and over the socket."""
     pytest.importorskip("ale_py", reason="needs the [atari] extra")
-    command = [sys.executable, "benchmarks/replay.py", "--atari", "--learners", "1", "--seconds", "0.5"]
-    result = run_command([*command, "--atari-batches", "2"])
+    command = [sys.executable, "benchmarks/replay.py", "--atari", "--learners", "1", "--shards", "2"]
+    result = run_command([*command, "--alpha", "0", "--seconds", "0.5", "--atari-batches", "2"])
     assert result.returncode == 0, result.stderr[-2000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert figures["atari"] and all(row["samples_per_s"] > 0 for row in figures["rows"].values())
+    assert figures["atari"] and figures["alpha"] == 0 and figures["shards"] == 2
+    rows = figures["rows"]
+    over_rpc = [f"rpc, 2 shard(s), 1 learner(s), {path}" for path in ("shared memory", "socket")]
+    assert set(rows) == {"in-process, before", *over_rpc, "in-process, after"}
+    assert all(row["extends_per_s"] > 0 and row["samples_per_s"] > 0 for row in rows.values())
     # One uint8 84x84 frame per transition, plus its row: far below both stacks' 56 KB.
     assert 7056 < figures["bytes_per_transition"] < 7500 < 56448 < figures["naive_bytes_per_transition"]
 

@@ -268,7 +268,8 @@ def torchrun(*arguments: str) -> list[str]:
 
 
 # Every mistake takes the same way out under a launcher (check_update's RecipeError, which
-# rank 0 says). One under each launcher: a launch costs 20 to 30 s on 2 cores.
+# rank 0 says), and so does a bad setting (config's ConfigError: train.main refuses both in
+# one place). One under each launcher: a launch costs 20 to 30 s on 2 cores.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("launcher", "name"), [("fabric run", "float_priorities"), ("torchrun", "loss_per_transition")]
