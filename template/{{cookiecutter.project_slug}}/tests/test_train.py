@@ -350,8 +350,8 @@ def test_a_collector_acting_with_a_cpu_copy_of_the_policy_collects_what_the_poli
     """collector.policy_device=cpu (a GPU learner's default): the collector acts with a copy
     of the policy, weights and buffers (DQN's epsilon) refreshed before each batch. On the
     CPU that run is the run with the learner's own policy; a copy left stale would collect
-    other frames and train other weights. Two processes of one seed training the same
-    weights is also what makes sync collection reproducible."""
+    other frames and train other weights. It also shows sync collection reproducible: two
+    processes of one seed train the same weights."""
     _, own = one_process_runs(recipe)
     copied = one_process_run(tmp_path, recipe, "collector.policy_device=cpu")
     assert copied["learner_param_checksums"] == own["learner_param_checksums"]
