@@ -173,10 +173,11 @@ def test_a_job_heals_a_killed_rank_stops_before_its_time_limit_and_its_requeue_f
 
     # The time limit's warning: every rank stops at one checkpoint, and slurm.sh requeues
     # the job. SLURM holds a requeued job for two minutes before it may start again; the
-    # test waits 5 s of that (StartTime=now+5), and gives the job time to finish the run
-    # (TimeLimit=10) rather than stop and requeue again a minute later. Not StartTime=now:
-    # slurmd refuses to launch a job whose credential is no newer, in whole seconds, than
-    # its kill of the job's last run ("Job credential revoked"), and the job then ends FAILED.
+    # test waits 2 s of that and then releases it (StartTime=now, which also schedules it at
+    # once), and gives the job time to finish the run (TimeLimit=10) rather than stop and
+    # requeue again a minute later. The 2 s: slurmd refuses to launch a job whose credential
+    # is no newer, in whole seconds, than its kill of the job's last run ("Job credential
+    # revoked"), and the job then ends FAILED.
     deadline = time.monotonic() + 420
     stops = []
     while (state := job_state(slurm, job))[0] != "COMPLETED":
@@ -192,7 +193,8 @@ def test_a_job_heals_a_killed_rank_stops_before_its_time_limit_and_its_requeue_f
             assert summary["stopped_by"] == "SIGUSR1", log()[-3000:]
             stops.append(summary["frames_collected"])
             assert checkpoint.Meta.read(checkpoint.latest(run_dir)).frames == stops[-1]
-            release = ["scontrol", "update", f"JobId={job}", "StartTime=now+5", "TimeLimit=10"]
+            time.sleep(2)
+            release = ["scontrol", "update", f"JobId={job}", "StartTime=now", "TimeLimit=10"]
             subprocess.run(release, env=slurm, check=True)
         time.sleep(0.5)
 
