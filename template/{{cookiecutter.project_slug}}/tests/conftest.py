@@ -34,8 +34,9 @@ torch.set_num_threads(1)
 # the modules that take longest on 2 cores go first, so that the last ones to start are
 # short and neither worker waits long for the other at the end (a SLURM job's time limit
 # alone takes minutes). pytest-xdist would otherwise start the modules with most tests first.
-LONGEST_FIRST = ["test_train.py", "test_benchmarks.py", "test_faults.py", "test_slurm.py"]
-LONGEST_FIRST += ["test_recipe_contract.py", "test_checkpoint.py", "test_restarts.py"]
+LONGEST_FIRST = ["test_train.py", "test_faults.py", "test_benchmarks.py", "test_slurm.py"]
+LONGEST_FIRST += ["test_checkpoint.py", "test_restarts.py", "test_ppo.py", "test_adding_a_recipe.py"]
+LONGEST_FIRST += ["test_r2d2.py", "test_elastic.py", "test_stragglers.py"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
