@@ -62,7 +62,7 @@ slurm:
 # Where SLURM could be installed, its test must run, not skip.
 test: install slurm
 	REQUIRE_SLURM=$$([ "$$(id -u)" = 0 ] && command -v sbatch >/dev/null && echo 1 || echo 0) \
-		TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest
+		TRACKERS_PYTHON=$(abspath $(TRACKERS_VENV))/bin/python $(BIN)/python -m pytest -n 2 --dist worksteal
 
 # The template's code is linted in a baked project, under its own ruff settings: in place,
 # the project's pyproject.toml is a Jinja template that ruff cannot read (tests/test_bake.py
