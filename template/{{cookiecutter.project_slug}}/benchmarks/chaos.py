@@ -142,15 +142,22 @@ def processes(launcher: int) -> dict[str, list[int]]:
     for learner in children.get(launcher, []):
         found["learner"].append(learner)
         for child in children.get(learner, []):
-            try:
-                words = (Path("/proc") / str(child) / "cmdline").read_text()
-            except OSError:
-                continue
+            words = command_line(child)
             if "--learners" in words:
                 found["replay"].append(child)
-            elif "spawn_main" in words:  # not multiprocessing's resource tracker
-                found["collector"].append(child)
+            elif "forkserver" in words:
+                # The learner's fork server forks its collector processes (its imports run other
+                # Pythons of their own: mujoco's glfw asks one for its library's version).
+                forked = [pid for pid in children.get(child, []) if "forkserver" in command_line(pid)]
+                found["collector"] += forked
     return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_text()
+    except OSError:
+        return ""
 
 
 def run(args: argparse.Namespace, seed: int, run_dir: Path, kills: int) -> dict:

@@ -97,17 +97,23 @@ def parent_of(pid: int) -> int:
 
 
 def collector_processes(pid: int) -> list[int]:
-    """The collector processes (async, or workers) that process ``pid`` started."""
-    found = []
+    """The collector processes (async, or workers) of process ``pid``: the children of its
+    multiprocessing fork server, which forks them (collector.py)."""
+    children: dict[int, list[int]] = {}
+    commands = {}
     for entry in Path("/proc").iterdir():
         try:
-            parent = parent_of(int(entry.name))
-            command = (entry / "cmdline").read_text()
+            children.setdefault(parent_of(int(entry.name)), []).append(int(entry.name))
+            commands[int(entry.name)] = (entry / "cmdline").read_text()
         except (OSError, ValueError, IndexError):
             continue
-        if parent == pid and "spawn_main" in command:
-            found.append(int(entry.name))
-    return found
+
+    # Forked children only: the server's imports run other Pythons of their own (mujoco's
+    # glfw asks one for its library's version).
+    def forked(parent: int) -> list[int]:
+        return [child for child in children.get(parent, []) if "forkserver" in commands.get(child, "")]
+
+    return [collector for server in forked(pid) for collector in forked(server)]
 
 
 def alive(pid: int) -> bool:
@@ -154,7 +160,7 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     run_dir = tmp_path / "run"
     overrides = [*LONG_RUN, "collector.mode=async", "collector.timeout=10", f"run_dir={run_dir}"]
     command = fabric_command(DEVICES, "train.py", *overrides)
-    if fault == "dies starting":  # as soon as it is there, seconds before it has imported torch
+    if fault == "dies starting":  # as soon as it is there, before it has made its env
         process, deadline = launch(command), time.monotonic() + 180
         while not (learners := [pid for pid, rank in processes_of(run_dir).items() if rank == 1]) or not (
             collectors := collector_processes(learners[0])

@@ -21,6 +21,7 @@ import copy
 import functools
 import logging
 import math
+import multiprocessing
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -91,6 +92,7 @@ def make_collector(
             for worker in range(workers)
         ]
         with signals_ignored(*STOP_SIGNALS):  # as the async collector's child, below
+            fork_children_from_a_server()
             return CollectorWorkers(
                 makes,
                 copy.deepcopy(policy).cpu(),
@@ -109,6 +111,7 @@ def make_collector(
         # the stop signals (an ignored signal stays ignored in a child, and Python keeps it
         # so): a Ctrl-C or SLURM's warning stops the run through this process, at a step's end.
         with signals_ignored(*STOP_SIGNALS):
+            fork_children_from_a_server()
             return CollectorProcess(
                 make,
                 copy.deepcopy(policy).cpu(),
@@ -130,13 +133,26 @@ def make_collector(
     )
 
 
+def fork_children_from_a_server() -> None:
+    """Start the collector's child processes from multiprocessing's fork server, which
+    imports this module (torch, torchrl, the project) once per rank and forks each child
+    from itself. torchrl sets "spawn" when it is imported, and a spawned child imports all
+    that anew: about 6 s of CPU a child, so K workers cost K imports at start-up where the
+    server costs one. The server is a fresh, single-threaded process: forking it is safe
+    where forking the rank, with its threads (gloo, RPC, the watchdog), is not. Its children
+    take its signal dispositions, so it must start with the stop signals ignored: it starts
+    with the first child, which ``make_collector`` starts with them ignored."""
+    multiprocessing.set_forkserver_preload([__name__])
+    multiprocessing.set_start_method("forkserver", force=True)
+
+
 def worker_env(
     env: dict, num_envs: int, seed: int, device: str | None, policy: TensorDictModuleBase
 ) -> EnvBase:
     """A collector worker's env copies (carrying ``policy``'s recurrent state, if it has
-    one), made in the worker, whose torch generator is seeded as they are: a spawned
-    process starts from torch's default seed, the same in every worker, so their
-    exploration (epsilon-greedy, sampled actions) would draw alike."""
+    one), made in the worker, whose torch generator is seeded as they are: every worker
+    starts from the fork server's generator, the same in each, so their exploration
+    (epsilon-greedy, sampled actions) would draw alike."""
     torch.manual_seed(seed)
     return make_env(env, num_envs, seed, device, policy=policy)
 
