@@ -50,6 +50,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=start)  # stable: each module's tests keep their order
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 RECIPES = recipes.available()

@@ -175,7 +175,7 @@ def test_resume_puts_the_optimizer_state_where_torch_expects_it(tmp_path):
 
 
 @needs_replay
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_resume_onto_a_gpu_puts_adams_step_where_torch_keeps_it_and_restores_the_gpus_generator(tmp_path):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

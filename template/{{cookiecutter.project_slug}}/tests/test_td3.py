@@ -91,7 +91,7 @@ def test_priorities_are_the_larger_absolute_td_error_of_the_twin_critics():
     torch.testing.assert_close(priorities, errors.max(0).values)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_graphed_updates_train_as_the_eager_ones():
     """cudagraphs=true on TD3's two kinds of update, with and without the actor's loss: each
     replays its own CUDA graph, on new batches, and the weights follow the eager updates'."""

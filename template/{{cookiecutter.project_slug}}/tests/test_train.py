@@ -224,7 +224,7 @@ def test_each_recipe_compiles_its_loss_once_for_each_update_path(tmp_path, monke
     assert math.isfinite(summary["eval_return"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy_device", ["cpu", "learner"])
 def test_single_process_run_on_a_gpu(tmp_path, tiny, policy_device):
     """On the GPU learner, the collector acting with a CPU copy of the policy or with the
@@ -271,7 +271,7 @@ def test_a_run_trains_under_bf16_mixed_precision(tmp_path):
 GRAPHED = TRANSITIONS
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GRAPHED)
 def test_each_recipe_trains_with_cuda_graphs_in_bf16(tmp_path, recipe):
     """cudagraphs=true: after the first calls of each graph, every update's forward and
@@ -291,7 +291,7 @@ def test_each_recipe_trains_with_cuda_graphs_in_bf16(tmp_path, recipe):
     assert all(math.isfinite(value) for value in summary["learner_param_checksums"].values())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("recipe", GRAPHED)
 def test_each_recipe_trains_on_two_learners_sharing_a_gpu_with_cuda_graphs(tmp_path, recipe):
     """learners.share_gpu=true: two learners on GPU 0, gloo between them. With
@@ -308,7 +308,7 @@ def test_each_recipe_trains_on_two_learners_sharing_a_gpu_with_cuda_graphs(tmp_p
     assert len(checksums) == 2 and len(set(checksums)) == 1 and math.isfinite(checksums[0])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_gpu_learners_checkpoint_and_resume_on_another_number_of_them(tmp_path, tiny):
     """The multi-learner GPU path on one GPU: two learners with DDP over CUDA tensors, replay
     processes serving GPU learners, a checkpoint written by GPU learners; resumed by three
