@@ -213,13 +213,26 @@ def test_bad_input_is_one_error_line(capsys, argv, message):
     assert captured.out == ""
 
 
-def test_cudagraphs_off_a_cuda_device_is_one_error_line(tmp_path):
-    """The learners' device is Fabric's choice, known once Fabric is made: the check comes
-    after it, before any rank starts."""
-    command = [sys.executable, "train.py", "cudagraphs=true", "fabric.accelerator=cpu", f"run_dir={tmp_path}"]
-    result = run_command(command, timeout=120)
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (
+            ["cudagraphs=true", "fabric.accelerator=cpu"],
+            "cudagraphs=true needs a CUDA device; the learners run on cpu",
+        ),
+        # Lightning's own refusal (fabric.accelerator=cuda on a machine without a GPU is another).
+        (
+            ["fabric.accelerator=bogus"],
+            "Fabric refuses the fabric settings: You selected an invalid accelerator name",
+        ),
+    ],
+)
+def test_what_fabric_makes_of_its_settings_is_checked_in_one_error_line(tmp_path, overrides, line):
+    """Fabric checks its own settings when it is made, and the learners' device is its
+    choice: those checks come with it, before any rank starts."""
+    result = run_command([sys.executable, "train.py", *overrides, f"run_dir={tmp_path}"], timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: cudagraphs=true needs a CUDA device; the learners run on cpu"
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith(f"error: {line}")
     assert not (tmp_path / "summary.json").exists()
 
 

@@ -35,6 +35,7 @@ from types import ModuleType
 
 import torch
 from lightning_fabric import Fabric
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig
 
 from . import checkpoint, config, learner, logs, recipes, usage
@@ -77,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     # On any machine with SLURM installed, Lightning warns that a run not started by srun
     # should be: wrong advice for `fabric run` or torchrun there (slurm.sh runs torchrun).
     warnings.filterwarnings("ignore", message="The `srun` command is available")
-    fabric = Fabric(**fabric_arguments(cfg))
+    try:
+        fabric = Fabric(**fabric_arguments(cfg))
+    except (ValueError, RuntimeError, ImportError, MisconfigurationException) as error:
+        # Lightning's refusal of the fabric settings (or of `fabric run`'s): an accelerator
+        # this machine lacks (fabric.accelerator=cuda without a GPU), an unknown name, ...
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return refused(config.ConfigError(f"Fabric refuses the fabric settings: {message}"))
     try:
         config.check_learners(cfg, config.learner_device(cfg, fabric.device), fabric.world_size)
     except config.ConfigError as error:
