@@ -189,6 +189,8 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["learners.batch_size_of=each"], "learners.batch_size_of must be run or learner, got 'each'"),
         (["env.frame_stack=1"], "env.frame_stack is for Atari games (CartPole-v1 is not one)"),
         (["env.threads=0"], "env.threads must be >= 1 (null: the rank's share), got 0"),
+        (["threads=-1"], "threads must be >= 1 (null: the rank's share of the cores), got -1"),
+        (["collector.frames_per_batch=0"], "collector.frames_per_batch must be > 0, got 0"),
         (
             ["learners.share_gpu=true", "fabric.accelerator=cpu"],
             "learners.share_gpu=true puts the learners on a GPU; fabric.accelerator is cpu",

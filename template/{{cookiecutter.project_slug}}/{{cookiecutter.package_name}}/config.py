@@ -241,6 +241,10 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"total_frames must be > 0, got {cfg.total_frames}")
     if cfg.env.num_envs <= 0:
         raise ConfigError(f"env.num_envs must be > 0, got {cfg.env.num_envs}")
+    if cfg.collector.frames_per_batch <= 0:
+        raise ConfigError(f"collector.frames_per_batch must be > 0, got {cfg.collector.frames_per_batch}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"threads must be >= 1 (null: the rank's share of the cores), got {cfg.threads}")
     if cfg.collector.frames_per_batch % cfg.env.num_envs:
         raise ConfigError(
             f"collector.frames_per_batch ({cfg.collector.frames_per_batch}) must be a multiple "
