@@ -51,8 +51,10 @@ def test_bad_input_is_one_error_line(argv, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
 
 
-def test_a_file_that_is_not_a_checkpoint_is_one_error_line(tmp_path, capsys):
-    (tmp_path / "final.pt").write_text("not a checkpoint")
+# Each text trips torch's unpickler differently: a KeyError; an IndexError, as a run's metrics.csv does.
+@pytest.mark.parametrize("text", ["not a checkpoint", "eval_return,frames_per_s\n"])
+def test_a_file_that_is_not_a_checkpoint_is_one_error_line(tmp_path, capsys, text):
+    (tmp_path / "final.pt").write_text(text)
     assert evaluate.main([f"checkpoint={tmp_path / 'final.pt'}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "not an agent train.py saved" in lines[0], lines

@@ -181,6 +181,11 @@ def run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.parent.parent if checkpoint.parent.name == FINAL.parent.name else checkpoint.parent
 
 
+# What reading a file that is no saved agent raises: torch.load's unpickler trips on a text
+# file with a KeyError or an IndexError (LookupErrors), on others with its own errors.
+UNREADABLE = (OSError, EOFError, pickle.UnpicklingError, RuntimeError, LookupError, TypeError, ValueError)
+
+
 def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
     """The saved state (as ``save_agent`` writes it) and its recipe module."""
     try:
@@ -189,7 +194,7 @@ def load(checkpoint: Path) -> tuple[dict[str, Any], ModuleType]:
         else:
             state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         name = state["recipe"]
-    except (OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError) as err:
+    except UNREADABLE as err:
         kind = type(err).__name__
         raise ConfigError(
             f"cannot read checkpoint {checkpoint} ({kind}): not an agent train.py saved"
