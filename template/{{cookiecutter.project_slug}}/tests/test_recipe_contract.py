@@ -66,6 +66,7 @@ BROKEN = [
     ("    action_spaces = ", "    spaces = ", "Agent has no action_spaces"),
     ('("discrete",)', '("pixels",)', "Agent.action_spaces must name 'discrete', 'continuous' or both"),
     ("    batch_keys = ", "    keys = ", "Agent uses replay but has no batch_keys"),
+    ("    batch_keys = ", "    update_path = True\n    batch_keys = ", "Agent.update_path must be a method"),
     (
         "    learning_starts: int = 0\n",
         "",

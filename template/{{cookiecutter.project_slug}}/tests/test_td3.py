@@ -27,8 +27,9 @@ def test_the_collector_explores_around_the_actor_and_evaluation_does_not():
 
 
 def step(agent, optimizers, batch, update: int) -> tuple[dict, list[torch.Tensor]]:
-    """One update as the learner runs it: every gradient, then the recipe's optimizers.
-    Returns its metrics and the actor's gradients."""
+    """One update as the learner runs it: its path, every gradient, then the recipe's
+    optimizers. Returns its metrics and the actor's gradients."""
+    agent.update_path(update)
     loss, _, metrics = agent(batch.clone())
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
@@ -62,11 +63,10 @@ def test_the_actor_and_the_targets_move_every_second_update_and_the_critics_at_e
         (False, True, False, False),
         (True, True, True, True),
     ]
-    # Its loss is taken over the batch where it learns, and over no transitions at update 3:
-    # a gradient of zeros, nothing logged. A new agent's first update does not know its
-    # number and takes the loss over the batch.
-    assert actor_losses == [True, True, False, True]
-    assert zero_gradients == [False, False, True, False]
+    # Its loss is taken over the batch where it learns, and over no transitions where it
+    # does not: a gradient of zeros, nothing logged.
+    assert actor_losses == [False, True, False, True]
+    assert zero_gradients == [True, False, True, False]
 
 
 def test_priorities_are_the_larger_absolute_td_error_of_the_twin_critics():
@@ -108,7 +108,7 @@ def test_graphed_updates_train_as_the_eager_ones():
     for update in range(1, 25):  # each kind: 5 eager calls, a recording, 6 replays
         batch = frames[torch.randperm(len(frames), generator=rows)[:32]]
         batch["priority_weight"] = torch.rand(32, device="cuda")
-        _, _, metrics = graphs(batch.clone(), 1.0, graphed.update_path)
+        _, _, metrics = graphs(batch.clone(), 1.0, graphed.update_path(update))
         graphed.optimizer_step(graphed_optimizers, update)
         expected, _ = step(eager, eager_optimizers, batch, update)
         assert metrics.keys() == expected.keys()

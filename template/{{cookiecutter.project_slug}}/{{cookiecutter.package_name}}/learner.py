@@ -367,7 +367,7 @@ class Learner:
         self.updates += 1
         # With compile=true the loss compiles at the first update of each update path
         # (TD3: with and without the actor's loss): phase "compile".
-        path = getattr(self.agent, "update_path", None)
+        path = recipes.update_path(self.agent, self.updates)
         compiling = self.compile and path not in self.compiled_paths
         self.compiled_paths.add(path)
         if self.graphs is not None:

@@ -20,8 +20,10 @@ tested on its own, and a project keeps only the recipes it was made with. It def
     An ``nn.Module`` holding every trained parameter, with the members of ``AgentProtocol``
     below (and ``batch_keys`` in a replay recipe). An Agent whose ``forward`` computes
     something else at some updates (TD3: the actor's loss every ``policy_delay`` updates)
-    says which in an ``update_path`` attribute, any hashable value: ``cudagraphs=true``
-    records a CUDA graph per path and would otherwise replay the first one at every update.
+    has an ``update_path(update)`` method, which the learner calls before each update with
+    its number (from 1): it sets what ``forward`` follows and names the path, any hashable
+    value. ``cudagraphs=true`` records a CUDA graph per path and would otherwise replay the
+    first one at every update.
     An on-policy Agent whose ``forward`` reads whole env-copy sequences (an LSTM's) says so
     in a ``recurrent`` attribute: its minibatches are then ``[copies, steps]``, in time order.
     A replay Agent whose items are not single transitions (R2D2's sequences) makes them in
@@ -42,7 +44,7 @@ import dataclasses
 import importlib
 import pkgutil
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -147,6 +149,8 @@ def check(name: str, module: ModuleType) -> None:
         raise broken(f"Agent.action_spaces must name {DISCRETE!r}, {CONTINUOUS!r} or both")
     if agent.uses_replay and not hasattr(agent, "batch_keys"):
         raise broken("Agent uses replay but has no batch_keys")
+    if hasattr(agent, "update_path") and not callable(agent.update_path):
+        raise broken("Agent.update_path must be a method, update_path(update), that names the update's path")
     fields = {field.name for field in dataclasses.fields(module.Config)}
     missing = [field for field in CONFIG_FIELDS[bool(agent.uses_replay)] if field not in fields]
     if missing:
@@ -200,6 +204,7 @@ def update_once(
         optimizers = agent.make_optimizers()
         trained = [parameter for parameter in agent.parameters() if parameter.requires_grad]
         before = [parameter.detach().clone() for parameter in trained]
+        update_path(agent, 1)
         returned = agent(batch)
         if not (isinstance(returned, tuple) and len(returned) == 3):
             raise broken(f"forward must return (loss, priorities, metrics), got {described(returned)}")
@@ -259,6 +264,13 @@ def sequence_overlap(agent: torch.nn.Module) -> int:
     """The steps a sequence recipe's item shares with the one before from the same env
     copy (its optional ``sequence_overlap``), which replay stores once for pixels."""
     return getattr(agent, "sequence_overlap", 0)
+
+
+def update_path(agent: torch.nn.Module, update: int) -> Hashable:
+    """The path of ``forward`` that ``agent``'s update ``update`` takes, set up for it (its
+    optional ``update_path`` method); None for an Agent whose updates all take one."""
+    method = getattr(agent, "update_path", None)
+    return method(update) if method is not None else None
 
 
 def recurrent(agent: torch.nn.Module) -> bool:

@@ -122,8 +122,7 @@ class Agent(nn.Module):
         self.critics = twin_critics(observations, actions, hidden)
         self.target_actor = copy.deepcopy(self.actor).requires_grad_(False)
         self.target_critics = copy.deepcopy(self.critics).requires_grad_(False)
-        # Whether the next update trains the actor: optimizer_step knows the update number.
-        # A new or resumed agent's first update does, to be safe.
+        # Whether this update trains the actor, as update_path set it for the update's number.
         self.actor_learns = True
         self.register_buffer("low", action_spec.space.low.clone())
         self.register_buffer("high", action_spec.space.high.clone())
@@ -171,10 +170,11 @@ class Agent(nn.Module):
             metrics["loss_actor"] = loss_actor.detach()
         return loss_actor + loss_qvalue, errors.detach().abs().max(0).values, metrics
 
-    @property
-    def update_path(self) -> bool:
-        """Whether the next update's loss includes the actor's: with cudagraphs=true the
-        learner records each path of ``forward`` as its own CUDA graph."""
+    def update_path(self, update: int) -> bool:
+        """Whether update ``update`` (from 1) trains the actor, which ``forward`` follows; the
+        learner calls this before each update, and with cudagraphs=true records each path
+        as its own CUDA graph."""
+        self.actor_learns = update % self.cfg.policy_delay == 0
         return self.actor_learns
 
     def act(self, actor: TensorDictSequential, observation: torch.Tensor) -> torch.Tensor:
@@ -206,4 +206,3 @@ class Agent(nn.Module):
             optimizers["actor"].step()
             polyak(self.target_actor, self.actor, self.cfg.tau)
             polyak(self.target_critics, self.critics, self.cfg.tau)
-        self.actor_learns = (update + 1) % self.cfg.policy_delay == 0
