@@ -70,8 +70,7 @@ def train(
         f"env.id={WORKLOADS.get(recipe, 'CartPole-v1')}",
         f"total_frames={args.frames}",
         "threads=1",
-        "eval.every=0",
-        "eval.episodes=1",
+        "eval.episodes=0",  # none: an untrained agent can play an Atari game to its 108,000-frame cap
         *MODES[mode],
         f"run_dir={run_dir}",
     ]

@@ -145,6 +145,13 @@ def test_scaling_benchmark_runs_one_and_two_learners_and_draws_them(tmp_path):
         assert groups["collect"] > 0 and groups["update"] > 0 and groups["other"] >= 0
         assert sum(groups.values()) == pytest.approx(run["step_ms"])
     assert runs["1"]["efficiency"] == 1.0
+    # speed.py's runs play no greedy episode (eval.episodes=0): none at the end either.
+    run_dir = PROJECT / "runs" / "benchmarks" / f"scaling-{recipe}-2-learners"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["eval_return"], summary["eval_episodes"], summary["eval_history"]) == (None, 0, [])
+    assert "evaluate" not in summary["phase_ms_per_step"]
+    with (run_dir / "metrics.csv").open() as file:
+        assert "eval_return" not in file.readline().strip().split(",")
     two = runs["2"]
     assert two["efficiency"] == pytest.approx(two["frames_per_s"] / (2 * runs["1"]["frames_per_s"]))
     # The table: a header and one row per run, above the figure's line and the JSON line.

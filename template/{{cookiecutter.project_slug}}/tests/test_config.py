@@ -183,6 +183,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["replay.alpha=-0.5"], "replay.alpha must be >= 0 (0: uniform), got -0.5"),
         (["replay.storage=disk"], "replay.storage must be memory or memmap, got 'disk'"),
         (["fabric.precision=16-mixed"], "fabric.precision must be 32-true or bf16-mixed, got '16-mixed'"),
+        (["eval.episodes=-1"], "eval.episodes must be >= 0 (0: no evaluation), got -1"),
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),

@@ -326,8 +326,8 @@ def validate(cfg: DictConfig) -> None:
             f"fabric.precision must be {' or '.join(PRECISIONS)}, got '{cfg.fabric.precision}' "
             "(16-mixed needs a gradient scaler, which the learners do not use: bf16-mixed does without)"
         )
-    if cfg.eval.episodes <= 0:
-        raise ConfigError(f"eval.episodes must be > 0, got {cfg.eval.episodes}")
+    if cfg.eval.episodes < 0:
+        raise ConfigError(f"eval.episodes must be >= 0 (0: no evaluation), got {cfg.eval.episodes}")
     if cfg.env.vectorization not in envs.VECTORIZATIONS:
         choices = ", ".join(envs.VECTORIZATIONS)
         raise ConfigError(f"env.vectorization must be one of {choices}, got '{cfg.env.vectorization}'")

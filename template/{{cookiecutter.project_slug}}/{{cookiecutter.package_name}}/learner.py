@@ -106,7 +106,7 @@ def off_policy(run: Run, replay: ReplayClient) -> dict[str, Any]:
                 replay.update_priority(sample, priorities)  # asynchronous; uniform replay sends none
         if learner.due(cfg.log_every):
             learner.report()
-        if learner.due(cfg.eval.every):
+        if cfg.eval.episodes and learner.due(cfg.eval.every):
             learner.evaluate()
         if learner.due(cfg.checkpoint.every):
             learner.save_checkpoint(replay)  # barriers: every learner writes at this step
@@ -144,7 +144,7 @@ def on_policy(run: Run) -> dict[str, Any]:
                 learner.update(minibatch, weight)  # loss, backward (all-reduce), step
         if learner.due(cfg.log_every):
             learner.report()
-        if learner.due(cfg.eval.every):
+        if cfg.eval.episodes and learner.due(cfg.eval.every):
             learner.evaluate()
         if learner.due(cfg.checkpoint.every):
             learner.save_checkpoint(None)  # barriers: every learner writes at this step
@@ -420,8 +420,11 @@ class Learner:
         self.reports.append(self.run.recorder.rpc_async().report(self.frames, returns))
 
     def greedy_returns(self) -> list[float]:
-        """Each learner plays its share of the evaluation episodes (rounded up), on its own seeds."""
+        """Each learner plays its share of the evaluation episodes (rounded up), on its own
+        seeds; none with eval.episodes=0."""
         cfg = self.cfg
+        if not cfg.eval.episodes:
+            return []
         episodes = math.ceil(cfg.eval.episodes / self.learners)
         seed = cfg.seed + 1_000_000 + 1000 * self.index
         return evaluate(self.agent.policy, cfg.env, episodes, seed, self.run.device)

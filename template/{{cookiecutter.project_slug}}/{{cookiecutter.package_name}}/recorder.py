@@ -191,7 +191,7 @@ class Recorder:
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
             },
-            "eval_return": sum(eval_returns) / len(eval_returns),
+            "eval_return": sum(eval_returns) / len(eval_returns) if eval_returns else None,  # eval.episodes=0
             "eval_episodes": len(eval_returns),
             "eval_history": self.eval_history,
             "frames_per_s": frames / train_s,
@@ -204,11 +204,12 @@ class Recorder:
         }
         self.progress.close()
         log.info("%s", phases_line(summary["phase_ms_per_step"], summary["phase_accounted"]))
-        if not self.eval_history or self.eval_history[-1]["frames"] != frames:
-            # The final evaluation is the run's last metrics row, however short the run.
-            self.log({"eval_return": summary["eval_return"]}, frames)
         evaluations = [(row["frames"], row["eval_return"]) for row in self.eval_history]
-        evaluations.append((frames, summary["eval_return"]))
+        if eval_returns:
+            if not self.eval_history or self.eval_history[-1]["frames"] != frames:
+                # The final evaluation is the run's last metrics row, however short the run.
+                self.log({"eval_return": summary["eval_return"]}, frames)
+            evaluations.append((frames, summary["eval_return"]))
         learning_curve(self.run_dir / "learning_curve.png", self.train_history, evaluations, self.title)
         path = self.run_dir / "summary.json"
         path.write_text(json.dumps(summary, indent=2) + "\n")
