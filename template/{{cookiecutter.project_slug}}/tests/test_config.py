@@ -49,9 +49,13 @@ def test_each_recipe_brings_its_run_defaults_and_the_command_line_wins(recipe):
     cfg = config.load([f"recipe={recipe}"], train.DEFAULTS)
     assert (cfg.env.id, cfg.total_frames) == (defaults["env"]["id"], defaults["total_frames"])
     assert cfg.collector.frames_per_batch == defaults["collector"]["frames_per_batch"]
+    # config.yaml's: every 10,000 frames, or 20 times a long run.
+    assert cfg.eval.every == max(10_000, defaults["total_frames"] // 20)
     other = ANOTHER_ENV[module.Agent.action_spaces[0]]
-    cfg = config.load([f"recipe={recipe}", f"env.id={other}", "total_frames=77"], train.DEFAULTS)
-    assert (cfg.env.id, cfg.total_frames) == (other, 77)
+    cfg = config.load([f"recipe={recipe}", f"env.id={other}", "total_frames=10000000"], train.DEFAULTS)
+    assert (cfg.env.id, cfg.total_frames, cfg.eval.every) == (other, 10_000_000, 500_000)
+    cfg = config.load([f"recipe={recipe}", "total_frames=77", "eval.every=50"], train.DEFAULTS)
+    assert (cfg.total_frames, cfg.eval.every) == (77, 50)
 
 
 @pytest.mark.parametrize("recipe", recipes.available())
@@ -184,6 +188,7 @@ def test_help_with_bad_input_is_one_error_line(capsys):
         (["replay.storage=disk"], "replay.storage must be memory or memmap, got 'disk'"),
         (["fabric.precision=16-mixed"], "fabric.precision must be 32-true or bf16-mixed, got '16-mixed'"),
         (["eval.episodes=-1"], "eval.episodes must be >= 0 (0: no evaluation), got -1"),
+        (["eval.every=-5"], "eval.every must be >= 0 (0: only at the end), got -5"),
         (["rpc.heartbeat_timeout=0"], "rpc.heartbeat_timeout must be > 0, got 0"),
         (["rpc.timeout=-1"], "rpc.timeout must be > 0, got -1"),
         (["learners.timeout=0"], "learners.timeout must be > 0, got 0"),

@@ -43,6 +43,17 @@ def one_folder(env_id: str) -> str:
 OmegaConf.register_new_resolver("one_folder", one_folder, replace=True)
 
 
+def evaluation_interval(total_frames: int) -> int:
+    """eval.every's default: 10,000 frames, or a twentieth of the run where that is more. A
+    greedy episode can be long (an untrained agent can play an Atari game to its
+    108,000-frame cap): every 10,000 frames of a 10M-frame Atari run, evaluating would
+    take longer than training."""
+    return max(10_000, int(total_frames) // 20)
+
+
+OmegaConf.register_new_resolver("evaluation_interval", evaluation_interval, replace=True)
+
+
 # The labels of the config's layers (layers), as --print-config shows them.
 SCHEMA, CONFIG_YAML, COMMAND_LINE = "default in config.py", "config.yaml", "command line"
 
@@ -328,6 +339,8 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.eval.episodes < 0:
         raise ConfigError(f"eval.episodes must be >= 0 (0: no evaluation), got {cfg.eval.episodes}")
+    if cfg.eval.every < 0:
+        raise ConfigError(f"eval.every must be >= 0 (0: only at the end), got {cfg.eval.every}")
     if cfg.env.vectorization not in envs.VECTORIZATIONS:
         choices = ", ".join(envs.VECTORIZATIONS)
         raise ConfigError(f"env.vectorization must be one of {choices}, got '{cfg.env.vectorization}'")
