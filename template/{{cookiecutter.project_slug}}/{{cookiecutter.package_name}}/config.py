@@ -45,9 +45,9 @@ OmegaConf.register_new_resolver("one_folder", one_folder, replace=True)
 
 def evaluation_interval(total_frames: int) -> int:
     """eval.every's default: 10,000 frames, or a twentieth of the run where that is more. A
-    greedy episode can be long (an untrained agent can play an Atari game to its
-    108,000-frame cap): every 10,000 frames of a 10M-frame Atari run, evaluating would
-    take longer than training."""
+    greedy episode can be long: an early agent can play an Atari game to its 108,000-frame
+    cap, and evaluating every 10,000 frames then takes longer than training
+    (docs/environments.md, "Evaluation and videos")."""
     return max(10_000, int(total_frames) // 20)
 
 
