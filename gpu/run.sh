@@ -11,6 +11,7 @@
 #
 #   'python -m pytest -m gpu -rs -p no:cacheprovider'   # the tests that need a GPU
 #   'python benchmarks/gpu.py --recipes sac td3 --frames 6000'
+#   'python ../cleanrl/run.py sac_continuous_action.py --env-id HalfCheetah-v5 --total-timesteps 6000'   # gpu/cleanrl.sh
 #   'python benchmarks/scaling.py --recipes ppo --accelerator cuda --workers 1 2 4 8 --frames 16384 env.id=ALE/Breakout-v5 env.num_envs=8'
 #   'python benchmarks/scaling.py --recipes ppo dqn && cp scaling.png $OUT/'   # 1 to 8 CPU learners
 set -uo pipefail
