@@ -262,9 +262,13 @@ def test_ranks_listen_on_loopback_only_and_a_killed_launcher_takes_them_along(tm
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
+@pytest.mark.parametrize("to", ["every process", "one learner"])
+def test_a_stop_signal_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path, to):
     """Ranks that Fabric started itself, collecting in the background where the recipe
-    replays (a sync run stopped by Ctrl-C under `fabric run` is test_checkpoint.py's)."""
+    replays (a sync run stopped by Ctrl-C under `fabric run` is test_checkpoint.py's).
+    Ctrl-C signals every process of the terminal's group; a scheduler or a user's kill may
+    signal one learner alone, which tells the others: every learner then stops at the same
+    step and writes its part of the checkpoint, whatever step the others heard of it at."""
     mode = "sync" if REPLAY_RECIPE is None else "async"
     run_dir = tmp_path / "run"
     command = [
@@ -277,7 +281,11 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
     # checkpoint.every at its default (none): the stop writes one.
     run = [*command, *LONG_RUN, f"run_dir={run_dir}"]
     process = start(run, run_dir, fabric_launcher_env())
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's group
+    if to == "every process":
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C does: every process of the terminal's group
+    else:
+        (learner,) = [pid for pid, rank in processes_of(run_dir).items() if rank == 1]
+        os.kill(learner, signal.SIGINT)
 
     code, stderr, seconds = finish(process, timeout=90)
     assert code == 128 + signal.SIGINT, stderr[-3000:]
@@ -285,6 +293,8 @@ def test_ctrl_c_stops_all_ranks_cleanly_and_keeps_the_records(tmp_path):
     assert summary["stopped_by"] == "SIGINT"
     assert 0 < summary["frames_collected"] < 10_000_000
     assert len(set(summary["learner_param_checksums"].values())) == 1
+    # A stop plays no final greedy episodes: they could outlast the 30 s a launcher allows.
+    assert (summary["eval_return"], summary["eval_episodes"]) == (None, 0)
     assert (run_dir / "checkpoints" / "final.pt").is_file()
     assert checkpoint.Meta.read(checkpoint.latest(run_dir)).frames == summary["frames_collected"]
     if REPLAY_RECIPE is not None:

@@ -312,6 +312,8 @@ class Learner:
             return stop.is_set()
         raised = torch.tensor([float(stop.is_set())], device=self.run.device)
         dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.run.learner_group)
+        if raised.item():
+            self.run.watchdog.take_up_stop()  # another learner's signal, maybe not yet heard here
         return bool(raised.item())
 
     @timed("agree")
@@ -453,7 +455,8 @@ class Learner:
 
     def finish(self, replay: ReplayClient | None) -> dict[str, Any]:
         """Checkpoint a stopped run, close the collector, wait for every report, and return
-        this learner's statistics for the summary."""
+        this learner's statistics for the summary, with the final evaluation's returns
+        unless the run was stopped."""
         cfg, stop = self.cfg, self.run.watchdog.stop
         # Stopped early (SIGINT, SIGTERM, SIGUSR1), whatever checkpoint.every says: the run
         # can go on from here. A dead peer is no stop: the watchdog ends this process first.
@@ -489,7 +492,9 @@ class Learner:
                 for value in self.agent.state_dict().values()
                 if value.is_floating_point()
             ).item(),
-            "eval_returns": self.greedy_returns(),
+            # No final evaluation after a stop: it ends the run in seconds (`fabric run` gives its ranks
+            # 30), where greedy episodes can take minutes (an Atari game to its frame cap).
+            "eval_returns": [] if stop.is_set() else self.greedy_returns(),
         }
         if self.index == 0:  # the learners' weights are identical: one of them saves
             path = checkpoint.save_agent(Path(cfg.run_dir) / checkpoint.FINAL, cfg, self.agent)

@@ -150,6 +150,14 @@ class Watchdog:
             self.stop.request(name)
             self._tell_others(STOP, name)
 
+    def take_up_stop(self) -> None:
+        """Stop as another rank asked, once the learners have agreed to: this rank's watch
+        reads the request from the store only once a second, and a learner that stops must
+        know it did by then, to write its part of the checkpoint the others write. The rank
+        that received the signal wrote its name to the store before it could agree."""
+        if not self.stop.is_set():
+            self.stop.request(self.store.get(STOP).decode())
+
     def _tell_others(self, key: str, value: str) -> None:
         if self.store is None:
             return
