@@ -492,8 +492,9 @@ class Learner:
                 for value in self.agent.state_dict().values()
                 if value.is_floating_point()
             ).item(),
-            # No final evaluation after a stop: it ends the run in seconds (`fabric run` gives its ranks
-            # 30), where greedy episodes can take minutes (an Atari game to its frame cap).
+            # No final evaluation after a stop: a stop ends the run in seconds (`fabric run`
+            # gives its ranks 30), where greedy episodes can take minutes (an Atari game to
+            # its frame cap).
             "eval_returns": [] if stop.is_set() else self.greedy_returns(),
         }
         if self.index == 0:  # the learners' weights are identical: one of them saves
