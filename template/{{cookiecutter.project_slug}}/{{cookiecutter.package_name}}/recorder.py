@@ -191,7 +191,8 @@ class Recorder:
             "learner_param_checksums": {
                 str(rank): self._finished[rank]["param_checksum"] for rank in self.topology.learner_ranks
             },
-            "eval_return": sum(eval_returns) / len(eval_returns) if eval_returns else None,  # eval.episodes=0
+            # null where no final evaluation was played: eval.episodes=0, or a stop by a signal
+            "eval_return": sum(eval_returns) / len(eval_returns) if eval_returns else None,
             "eval_episodes": len(eval_returns),
             "eval_history": self.eval_history,
             "frames_per_s": frames / train_s,
