@@ -312,9 +312,10 @@ class Learner:
             return stop.is_set()
         raised = torch.tensor([float(stop.is_set())], device=self.run.device)
         dist.all_reduce(raised, op=dist.ReduceOp.MAX, group=self.run.learner_group)
-        if raised.item():
+        agreed = bool(raised.item())
+        if agreed:
             self.run.watchdog.take_up_stop()  # another learner's signal, maybe not yet heard here
-        return bool(raised.item())
+        return agreed
 
     @timed("agree")
     def rollout_sizes(self, batch: TensorDictBase) -> list[int]:
