@@ -6,8 +6,9 @@ import json
 import statistics
 
 import pytest
+import torch
 
-from {{ cookiecutter.package_name }} import checkpoint, config, evaluate, recipes, train
+from {{ cookiecutter.package_name }} import checkpoint, config, evaluate, evaluation, recipes, train
 
 
 @pytest.fixture
@@ -26,6 +27,18 @@ def test_evaluate_prints_and_records_mean_and_spread(run_dir, capsys):
     assert record["std_return"] == pytest.approx(statistics.pstdev(record["returns"]))
     assert all(value != 0 for value in record["returns"])  # the episodes were played
     assert "over 5 episodes" in capsys.readouterr().out
+
+
+def test_evaluating_leaves_the_training_random_numbers_as_they_were():
+    """How often a run evaluates does not change what it learns: greedy episodes on new env
+    copies draw nothing from torch's generator that training would see."""
+    cfg = config.load(["algo.hidden_sizes=[16]"], train.DEFAULTS)
+    agent = recipes.make_agent(recipes.load(cfg.recipe), cfg.algo, cfg.env, 2)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    returns = evaluation.evaluate(agent.policy, cfg.env, 2, seed=1000, device=torch.device("cpu"))
+    assert len(returns) == 2
+    assert torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_video_records_one_file_per_episode(run_dir):

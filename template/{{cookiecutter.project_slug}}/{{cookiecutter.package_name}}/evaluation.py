@@ -29,14 +29,18 @@ def evaluate(
     to gymnasium, which refuses it unless it resets copies itself: same-step autoreset
     (``make_env(training=False)``).
     """
-    eval_env = make_env(env, episodes, seed, device, training=False, policy=policy)
-    try:
-        with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
-            rollout = eval_env.rollout(
-                max_episode_steps(env["id"]), policy, break_when_any_done=False, break_when_all_done=True
-            )
-    finally:
-        eval_env.close()
+    # Evaluating leaves training's random numbers as they were: torchrl's GymWrapper draws
+    # from torch's generator as it checks a new env's specs, and how often a run evaluated
+    # would otherwise change what it learned.
+    with torch.random.fork_rng(devices=[]):
+        eval_env = make_env(env, episodes, seed, device, training=False, policy=policy)
+        try:
+            with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+                rollout = eval_env.rollout(
+                    max_episode_steps(env["id"]), policy, break_when_any_done=False, break_when_all_done=True
+                )
+        finally:
+            eval_env.close()
     done = rollout["next", "done"].squeeze(-1)
     reward = rollout["next", "reward"].squeeze(-1)
     # Each env's first episode ends at its first done (or is cut at max_steps).
