@@ -29,7 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
-from torchrl.collectors import AsyncCollector, Collector, MultiSyncCollector
+from torchrl.collectors import AsyncCollector, Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.envs import EnvBase
 from torchrl.weight_update import SharedMemWeightSyncScheme
 
@@ -93,6 +93,14 @@ def make_collector(
         ]
         with signals_ignored(*STOP_SIGNALS):  # as the async collector's child, below
             fork_children_from_a_server()
+            if cfg.collector.mode == COLLECT_ASYNC:
+                return CollectorWorkersAsync(
+                    makes,
+                    copy.deepcopy(policy).cpu(),
+                    track_policy_version=True,
+                    num_threads=torch.get_num_threads(),
+                    **settings,
+                )
             return CollectorWorkers(
                 makes,
                 copy.deepcopy(policy).cpu(),
@@ -204,6 +212,11 @@ class CollectorProcess(CollectorProcesses, AsyncCollector):
 class CollectorWorkers(CollectorProcesses, MultiSyncCollector):
     """torchrl's ``MultiSyncCollector``: ``collector.workers`` child processes collect a
     batch together while the learner waits."""
+
+
+class CollectorWorkersAsync(CollectorProcesses, MultiAsyncCollector):
+    """torchrl's ``MultiAsyncCollector``: ``collector.workers`` child processes each collect
+    whole batches while the learner trains; the learner takes them as they come."""
 
 
 class ProcessDied(Exception):

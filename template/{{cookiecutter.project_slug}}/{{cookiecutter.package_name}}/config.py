@@ -279,10 +279,6 @@ def validate(cfg: DictConfig) -> None:
             f"env.num_envs ({cfg.env.num_envs}) must be a multiple of collector.workers ({workers}): "
             "each worker steps as many env copies"
         )
-    if workers > 1 and cfg.collector.mode == COLLECT_ASYNC:
-        raise ConfigError(
-            "collector.workers > 1 is for collector.mode=sync; in async mode one process collects"
-        )
     if cfg.collector.policy_device not in (POLICY_ON_LEARNER, POLICY_ON_CPU, POLICY_AUTO):
         raise ConfigError(
             f"collector.policy_device must be {POLICY_ON_LEARNER}, {POLICY_ON_CPU} or {POLICY_AUTO}, "
