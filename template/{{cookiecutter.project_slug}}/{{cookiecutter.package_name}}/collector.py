@@ -94,6 +94,14 @@ def make_collector(
         with signals_ignored(*STOP_SIGNALS):  # as the async collector's child, below
             fork_children_from_a_server()
             if cfg.collector.mode == COLLECT_ASYNC:
+                # MultiAsyncCollector starts every worker on a batch before it has counted
+                # any, then tells each returning worker whether the frames so far are still
+                # below init_random_frames: asked for n batches, K workers act randomly for
+                # K + n - 1. So n random batches (at least one a worker) are asked as
+                # n - K + 1.
+                random_batches = settings["init_random_frames"] // frames_per_batch
+                asked = max(random_batches - workers + 1, 1) if random_batches else 0
+                settings["init_random_frames"] = asked * frames_per_batch
                 return CollectorWorkersAsync(
                     makes,
                     copy.deepcopy(policy).cpu(),
