@@ -157,6 +157,30 @@ def test_collector_workers_step_the_one_process_copies_with_the_weights_pushed_t
         collector.shutdown()
 
 
+def test_async_collector_workers_hand_out_whole_batches_and_act_randomly_for_the_frames_asked():
+    """collector.workers=2 in async mode: each worker hands out whole batches of its half of
+    the copies, and the first random_frames (rounded up to whole batches) act at random,
+    though every worker starts a batch before any comes back."""
+    policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
+    collector = make_collector(
+        collector_config("async", workers=2),
+        policy,
+        seed=7,
+        total_frames=1200,
+        device=torch.device("cpu"),
+        random_frames=500,
+    )
+    try:
+        batches = list(collector)
+        assert [batch.batch_size for batch in batches] == [torch.Size([2, 100])] * 6
+        # The policy always pushes left (action 0); a random batch of 200 frames pushes right too.
+        random_batches = [bool((batch["action"].argmax(-1) == 1).any()) for batch in batches]
+        assert sum(random_batches) == 3, random_batches
+        assert collector.ended() is None
+    finally:
+        collector.shutdown()
+
+
 class WrongShape(nn.Module):
     """A recipe's shape bug: a layer sized for 3 features on CartPole's 4."""
 

@@ -198,9 +198,10 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
 
 
 @pytest.mark.slow
-def test_a_collector_worker_that_dies_stops_the_run_naming_it(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_collector_worker_that_dies_stops_the_run_naming_it(tmp_path, mode):
     run_dir = tmp_path / "run"
-    overrides = [*LONG_RUN, "collector.workers=2", f"run_dir={run_dir}"]
+    overrides = [*LONG_RUN, "collector.workers=2", f"collector.mode={mode}", f"run_dir={run_dir}"]
     process = start(fabric_command(DEVICES, "train.py", *overrides), run_dir)
     learner = next(pid for pid, rank in processes_of(run_dir).items() if rank == 1)
     workers = sorted(collector_processes(learner))  # started in order: worker 0, then 1

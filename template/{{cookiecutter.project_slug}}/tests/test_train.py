@@ -182,16 +182,18 @@ def test_a_compiled_loss_trains_on_three_learners_and_resumes_on_one(tmp_path, m
     """compile=true: torch.compile around DDP keeps the learners identical, compiles the
     loss once for each update path and never again, times its compiling apart, and its
     checkpoints resume on another layout, compiled anew. The first replay recipe collects
-    with two worker processes per learner (collector.workers=2), on three learners and on
-    one: the frames stay exact and the learners identical."""
+    with two worker processes per learner (collector.workers=2), asynchronously on three
+    learners and in sync mode on one: the frames stay exact and the learners identical."""
     monkeypatch.setenv("TORCH_LOGS", "recompiles")  # each compile after a learner's first
     # TD3's loss has two update paths (with and without the actor's loss), the others one.
     recompiles = 1 if hasattr(recipes.load(recipe).Agent, "update_path") else 0
     run_dir = tmp_path / "run"
     workers = ["collector.workers=2"] if recipe == REPLAY_RECIPE else []
     compiled = [*tiny_overrides(recipe), "compile=true", *workers, f"run_dir={run_dir}"]
-    result = learners_run(3, *compiled, "total_frames=1536", "checkpoint.every=1536")
+    collect_async = ["collector.mode=async"] if workers else []
+    result = learners_run(3, *compiled, *collect_async, "total_frames=1536", "checkpoint.every=1536")
     first = read_summary(result)
+    assert first["collector_mode"] == ("async" if workers else "sync")
     assert result.stderr.count("Recompiling function") == 3 * recompiles, result.stderr[-3000:]
     assert first["frames_collected"] == 1536
     assert first["updates"] == expected_updates(recipe, 3, frames=1536)

@@ -8,11 +8,14 @@ in a child process with its own copy of the policy, which the learner refreshes 
 trains on the current one, and waits for the learner to take that batch before it starts
 another (see ``learner.off_policy``).
 
-``collector.workers=K`` (sync mode): torchrl's ``MultiSyncCollector`` steps the learner's
-env copies in K processes, ``env.num_envs / K`` copies each, seeded as the one process
-would seed them; each batch is the workers' slices joined along the copies, so it is the
-same ``[num_envs, steps]`` batch, stepped on K cores. The workers act with a CPU copy of
-the policy in shared memory, which the learner refreshes before each batch.
+``collector.workers=K``: K processes step the learner's env copies, ``env.num_envs / K``
+copies each, seeded as the one process would seed them, acting with a CPU copy of the
+policy in shared memory. In sync mode torchrl's ``MultiSyncCollector`` joins the workers'
+slices along the copies, so a batch is the one process's ``[num_envs, steps]`` batch,
+stepped on K cores; the learner refreshes the copy before each batch. In async mode
+torchrl's ``MultiAsyncCollector`` has each worker collect whole batches of its own copies,
+``[num_envs / K, K * steps]``, one ahead of the learner, which takes them as they come and
+refreshes the copy every ``collector.weight_sync_every`` updates.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ def make_collector(
                 # MultiAsyncCollector starts every worker on a batch before it has counted
                 # any, then tells each returning worker whether the frames so far are still
                 # below init_random_frames: asked for n batches, K workers act randomly for
-                # K + n - 1. So n random batches (at least one a worker) are asked as
-                # n - K + 1.
+                # K + n - 1 (measured: tests/test_collector.py). So n random batches (at
+                # least one a worker) are asked as n - K + 1.
                 random_batches = settings["init_random_frames"] // frames_per_batch
                 asked = max(random_batches - workers + 1, 1) if random_batches else 0
                 settings["init_random_frames"] = asked * frames_per_batch
