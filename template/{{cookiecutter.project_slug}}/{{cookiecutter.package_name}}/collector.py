@@ -203,6 +203,7 @@ class CollectorProcesses:
         """How a child process ended, in words; None while they run (after waiting up to
         ``wait_s`` for one to end)."""
         processes = getattr(self, "procs", [])  # none yet if it failed before starting one
+        ended = []
         for index, process in enumerate(processes):
             try:
                 if wait_s:
@@ -211,9 +212,14 @@ class CollectorProcesses:
             except ValueError:  # closed: torchrl closes the survivors when a worker fails
                 continue
             if code is not None:
-                worker = f"worker {index} of {len(processes)}: " if len(processes) > 1 else ""
-                return worker + exit_status(code)
-        return None
+                ended.append((code == 0, index, code))
+        if not ended:
+            return None
+        # torchrl shuts the other workers down when one dies (the async ones exit cleanly):
+        # the one that did not exit cleanly is the cause.
+        _, index, code = min(ended)
+        worker = f"worker {index} of {len(processes)}: " if len(processes) > 1 else ""
+        return worker + exit_status(code)
 
 
 class CollectorProcess(CollectorProcesses, AsyncCollector):
