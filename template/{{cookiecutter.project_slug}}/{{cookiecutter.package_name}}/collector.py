@@ -52,12 +52,13 @@ def make_collector(
     device: torch.device,
     frames_per_batch: int | None = None,
     random_frames: int = 0,
-) -> Collector | CollectorProcess | CollectorWorkers:
+) -> Collector | CollectorProcess | CollectorWorkers | CollectorWorkersAsync:
     """The collector of ``cfg.collector.mode`` for one learner: batches of
     ``frames_per_batch`` frames (by default ``collector.frames_per_batch``) shaped
-    ``[num_envs, steps]`` (time last), on the CPU; ``total_frames=-1``: endless. The first
-    ``random_frames`` (rounded up to whole batches) act uniformly at random instead of
-    with the policy.
+    ``[num_envs, steps]`` (time last; async workers' ``[num_envs / K, K * steps]``), on the
+    CPU; ``total_frames=-1``: endless. The first ``random_frames`` (rounded up to whole
+    batches, at least one for each async worker) act uniformly at random instead of with
+    the policy.
 
     Settings measured for speed (benchmarks/collection.py, docs/benchmarks.md): no
     trajectory ids (nothing reads them), no policy transforms registered behind the

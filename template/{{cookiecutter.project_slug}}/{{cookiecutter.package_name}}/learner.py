@@ -290,7 +290,7 @@ class Learner:
         next, or under the straggler threshold a rollout that may be cut short. A collector
         that gives nothing for ``collector.timeout`` seconds stops the run."""
         # Sync workers' shared copy takes the latest weights (async ones', every weight_sync_every).
-        if self.cfg.collector.workers > 1 and not self.weight_sync_every:
+        if self.cfg.collector.workers > 1 and self.cfg.collector.mode != config.COLLECT_ASYNC:
             with phase("weight_sync"), self.collector_deadline():
                 self.collector.update_policy_weights_(self.agent.policy)
         with phase("collect"):

@@ -151,10 +151,10 @@ class Watchdog:
             self._tell_others(STOP, name)
 
     def take_up_stop(self) -> None:
-        """Stop as another rank asked, once the learners have agreed to: this rank's watch
-        reads the request from the store only once a second, and a learner that stops must
-        know it did by then, to write its part of the checkpoint the others write. The rank
-        that received the signal wrote its name to the store before it could agree."""
+        """Stop as another rank asked: the watch takes the request up within a second of its
+        reaching the store, and a learner takes it up as soon as the learners agree to stop,
+        to write its part of the checkpoint the others write. The rank that received the
+        signal wrote its name to the store before it could agree."""
         if not self.stop.is_set():
             self.stop.request(self.store.get(STOP).decode())
 
@@ -184,8 +184,8 @@ class Watchdog:
                 self.store.add(f"beat/{me}", 1)
                 if self.store.check([FAILED]):
                     self._give_up(self.store.get(FAILED).decode())
-                if not self.stop.is_set() and self.store.check([STOP]):
-                    self.stop.request(self.store.get(STOP).decode())
+                if self.store.check([STOP]):
+                    self.take_up_stop()
                 for rank, process in list(self.children.items()):  # adopt() may add one meanwhile
                     # A child that closed its watchdog has done its part: how its exit went
                     # is for replay_processes.join to tell, not a death that stops the run.
