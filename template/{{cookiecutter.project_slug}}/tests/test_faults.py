@@ -88,7 +88,7 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
         _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        raise
+        pytest.fail(f"the run did not end within {timeout} s:\n{process.communicate()[1][-3000:]}")
     return process.returncode, stderr, time.monotonic() - started
 
 
@@ -139,7 +139,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     os.kill(ranks[victim], signal.SIGKILL)
 
     code, stderr, seconds = finish(process, timeout=90)
-    assert code != 0 and seconds < 60
+    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
     role = Topology.plan(DEVICES, victim, 1, uses_replay=REPLAY_RECIPE is not None).role
     survivors = [rank for rank in ranks if rank != victim]
     for rank in survivors:
@@ -162,13 +162,17 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     command = fabric_command(DEVICES, "train.py", *overrides)
     if fault == "dies starting":  # as soon as it is there, before it has made its env
         process, deadline = launch(command), time.monotonic() + 180
-        while not (learners := [pid for pid, rank in processes_of(run_dir).items() if rank == 1]) or not (
-            collectors := collector_processes(learners[0])
-        ):
+        # Seen twice: the fork server's own short-lived children (its imports run a Python
+        # that reports a library's version) look like a collector until they exec.
+        seen: list[int] = []
+        while len(seen) < 2 or seen[-1] != seen[-2]:
             assert process.poll() is None, process.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no collector process started"
+            learners = [pid for pid, rank in processes_of(run_dir).items() if rank == 1]
+            collectors = collector_processes(learners[0]) if learners else []
+            seen = [*seen, *collectors] if len(collectors) == 1 else []
             time.sleep(0.02)
-        (collector,) = collectors
+        collector = seen[-1]
         assert not (run_dir / "metrics.csv").exists()
     else:
         process = start(command, run_dir)
@@ -177,13 +181,15 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
     os.kill(collector, signal.SIGSTOP if fault == "hangs" else signal.SIGKILL)
 
     code, stderr, seconds = finish(process, timeout=90)
-    assert code != 0 and seconds < 60
+    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
     died = "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
-    died += "CartPole-v1, died (killed by SIGKILL)"
-    reason = {
-        "dies": died,
-        "dies starting": died,
-        "hangs": "the collector of rank 1 (learner) stopped: nothing for 10 s",
+    died += "CartPole-v1, died "
+    killed = died + "(killed by SIGKILL)"
+    reasons = {
+        "dies": [killed],
+        # Killed before it has read what it is to run, it is not yet a process with an exit code.
+        "dies starting": [killed, died + "(as it started)"],
+        "hangs": ["the collector of rank 1 (learner) stopped: nothing for 10 s"],
     }[fault]
     # The learners say why. (Rank 0 kills the replay process as it stops, which may come
     # before that process has said anything.)
@@ -191,7 +197,7 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
         lines = [
             line for line in stderr.splitlines() if line.startswith(f"[rank {rank} ") and "stopping:" in line
         ]
-        assert lines and reason in lines[0], stderr[-3000:]
+        assert lines and any(reason in lines[0] for reason in reasons), stderr[-3000:]
     # One line says it all: no rank prints a traceback (the launcher prints its own).
     assert '/learner.py", line' not in stderr, stderr[-3000:]
     assert processes_of(run_dir) == {} and not alive(collector), "nothing may outlive the run"
@@ -209,7 +215,7 @@ def test_a_collector_worker_that_dies_stops_the_run_naming_it(tmp_path, mode):
     os.kill(workers[1], signal.SIGKILL)
 
     code, stderr, seconds = finish(process, timeout=90)
-    assert code != 0 and seconds < 60
+    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
     reason = "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
     reason += "CartPole-v1, died (worker 1 of 2: killed by SIGKILL)"
     for rank in LEARNERS:

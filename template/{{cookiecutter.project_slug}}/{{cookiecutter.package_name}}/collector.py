@@ -187,11 +187,15 @@ class CollectorProcesses:
         self.weight_sync = SharedMemWeightSyncScheme()  # torchrl's default for this collector
         try:
             super().__init__(*args, weight_sync_schemes={"policy": self.weight_sync}, **kwargs)
-        except (RuntimeError, EOFError, OSError):
+        except (RuntimeError, EOFError, OSError) as error:
             # torchrl reports a child that died while starting as a RuntimeError of its own
             # ("failed to initialize") or its pipe's end: say how it died instead, if it
             # did. A child's own exception (its env's, its policy's) comes as itself.
             status = self.ended(wait_s=2.0)
+            if status is None and isinstance(error, BrokenPipeError):
+                # The child died before it read what it was to run: it is not among the
+                # started processes, whose exit codes say how they ended.
+                status = "as it started"
             if status is None:
                 raise
             raise ProcessDied(status) from None
