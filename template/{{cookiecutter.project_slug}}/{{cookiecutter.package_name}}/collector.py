@@ -25,6 +25,9 @@ import functools
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -177,6 +180,20 @@ def worker_env(
     return make_env(env, num_envs, seed, device, policy=policy)
 
 
+def exit_with_the_learner() -> None:
+    """Run first in each collector process (torchrl's ``init_fn``): end it as soon as its
+    learner's process is gone. A collector notices that only when it next reads its pipe,
+    and one still starting waits up to 60 s for its weights first (torchrl's
+    ``WEIGHT_SYNC_TIMEOUT``), holding the run's stderr open after the run has ended."""
+    learner = multiprocessing.parent_process()
+
+    def watch() -> None:
+        multiprocessing.connection.wait([learner.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-the-learner", daemon=True).start()
+
+
 class CollectorProcesses:
     """What the learner needs of a torchrl collector that runs in child processes: it also
     closes its weight-sync scheme when it shuts down (torchrl 0.14.1 leaves that to the
@@ -186,7 +203,12 @@ class CollectorProcesses:
     def __init__(self, *args, **kwargs) -> None:
         self.weight_sync = SharedMemWeightSyncScheme()  # torchrl's default for this collector
         try:
-            super().__init__(*args, weight_sync_schemes={"policy": self.weight_sync}, **kwargs)
+            super().__init__(
+                *args,
+                weight_sync_schemes={"policy": self.weight_sync},
+                init_fn=exit_with_the_learner,
+                **kwargs,
+            )
         except (RuntimeError, EOFError, OSError) as error:
             # torchrl reports a child that died while starting as a RuntimeError of its own
             # ("failed to initialize") or its pipe's end: say how it died instead, if it
