@@ -139,6 +139,8 @@ def test_collector_workers_step_the_one_process_copies_with_the_weights_pushed_t
     module = PushRight()
     learners_policy = TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
     workers_policy = TensorDictModule(PushRight(), in_keys=["observation"], out_keys=["action"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a learner's share of the cores, less than torch's default here
     collector = make_collector(
         collector_config("sync", workers=2), workers_policy, seed=7, total_frames=800, device=cpu
     )
@@ -155,6 +157,9 @@ def test_collector_workers_step_the_one_process_copies_with_the_weights_pushed_t
         assert collector.ended() is None
     finally:
         collector.shutdown()
+        left_with = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    assert left_with == 1  # the learner's threads, whatever torchrl's shutdown sets
 
 
 def test_async_collector_workers_hand_out_whole_batches_and_act_randomly_for_the_frames_asked():

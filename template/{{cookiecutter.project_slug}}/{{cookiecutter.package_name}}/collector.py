@@ -198,7 +198,8 @@ class CollectorProcesses:
     """What the learner needs of a torchrl collector that runs in child processes: it also
     closes its weight-sync scheme when it shuts down (torchrl 0.14.1 leaves that to the
     scheme's ``__del__``, which, run at interpreter exit, starts a queue thread and hangs
-    the exit), and it says how a child that ended did."""
+    the exit), it leaves the learner its torch threads, and it says how a child that ended
+    did."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.weight_sync = SharedMemWeightSyncScheme()  # torchrl's default for this collector
@@ -223,8 +224,12 @@ class CollectorProcesses:
             raise ProcessDied(status) from None
 
     def shutdown(self, *args, **kwargs) -> None:
+        threads = torch.get_num_threads()
         super().shutdown(*args, **kwargs)
         self.weight_sync.shutdown()
+        # torchrl's shutdown gives this process the torch threads it had when torchrl was
+        # imported (up to its threads plus one per child): the learner keeps its share.
+        torch.set_num_threads(threads)
 
     def ended(self, wait_s: float = 0.0) -> str | None:
         """How a child process ended, in words; None while they run (after waiting up to
