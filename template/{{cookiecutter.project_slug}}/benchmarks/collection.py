@@ -31,6 +31,11 @@ counts too (1: the collector above, in this process; K: K worker processes, each
 ``--envs / K`` copies and a policy made for as many, one torch thread each), and each
 count's frames/s over one process's.
 
+Each setup's ``cores`` is the CPU time it used over its timed seconds: this process's
+threads (ale-py's game threads among them) and, for worker setups, the worker processes'
+(read from ``/proc``: blank where there is none). Frames/s over cores is what a core
+collects in that setup, and bounds what more workers can reach on this machine.
+
 Prints a table and, last, a JSON line.
 """
 
@@ -40,6 +45,7 @@ import argparse
 import functools
 import json
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -99,9 +105,31 @@ def make_policy(env_id: str, num_envs: int) -> tuple[nn.Module, TensorDictModule
     return network, TensorDictSequential(actor, noise)
 
 
-def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: int) -> tuple[int, float]:
-    """Frames and seconds of a hand-written loop: numpy observations in, one batched forward
-    pass out (or random actions without a network)."""
+def cpu_seconds() -> float | None:
+    """CPU seconds used so far by this process (all its threads) and its live child
+    processes (the collector workers), None where a child's cannot be read (no ``/proc``)."""
+    total = time.process_time()
+    for child in multiprocessing.active_children():
+        try:
+            with open(f"/proc/{child.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()  # the name before may hold spaces
+        except OSError:
+            return None
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
+def cpu_since(before: float | None) -> float | None:
+    """CPU seconds used since ``cpu_seconds()`` read ``before``."""
+    now = cpu_seconds()
+    return None if before is None or now is None else now - before
+
+
+def plain_loop(
+    network: nn.Module | None, env_id: str, num_envs: int, frames: int
+) -> tuple[int, float, float | None]:
+    """Frames, seconds and CPU seconds of a hand-written loop: numpy observations in, one batched
+    forward pass out (or random actions without a network)."""
     if family_of(env_id) == ATARI:
         envs = gym.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point",
                             **atari_vector_settings({}))  # fmt: skip
@@ -119,7 +147,7 @@ def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: in
     steps = -(-frames // (BATCH_STEPS * num_envs)) * BATCH_STEPS  # whole batches, as collected
     for step in range(BATCH_STEPS + steps):
         if step == BATCH_STEPS:  # the warm-up is over, as after the collectors' first batch
-            started = time.perf_counter()
+            started, cpu_before = time.perf_counter(), cpu_seconds()
         if network is None:
             if discrete:
                 actions = rng.integers(0, int(space.n), size=num_envs)
@@ -138,14 +166,15 @@ def plain_loop(network: nn.Module | None, env_id: str, num_envs: int, frames: in
             actions = (output + NOISE * torch.randn_like(output)).clamp(-1, 1)
         observations, *_ = envs.step(actions.numpy())
     elapsed = time.perf_counter() - started
+    cpu = cpu_since(cpu_before)
     envs.close()
-    return steps * num_envs, elapsed
+    return steps * num_envs, elapsed, cpu
 
 
 def collector_rate(
     kind: str, policy: TensorDictModuleBase | None, env: dict, num_envs: int, frames: int, workers: int = 1
-) -> tuple[int, float]:
-    """Frames and seconds of a collector, its first batch not counted."""
+) -> tuple[int, float, float | None]:
+    """Frames, seconds and CPU seconds of a collector, its first batch not counted."""
     frames_per_batch = BATCH_STEPS * num_envs
     total = (-(-frames // frames_per_batch) + 1) * frames_per_batch  # whole batches, and the first
     with workers_watched():
@@ -163,13 +192,14 @@ def collector_rate(
         iterator = iter(collector)
         first: TensorDictBase = next(iterator)  # the first batch includes the collector's set-up
         collected = 0
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), cpu_seconds()
         for batch in iterator:
             collected += batch.numel()
         elapsed = time.perf_counter() - started
+        cpu = cpu_since(cpu_before)
     collector.shutdown()
     assert first.numel() == frames_per_batch
-    return collected, elapsed
+    return collected, elapsed, cpu
 
 
 @contextmanager
@@ -225,7 +255,7 @@ def main() -> None:
     env = {"id": args.env, "vectorization": args.vectorization}
     result = {"benchmark": "collection", "env": args.env, "vectorization": args.vectorization}
     result.update({"envs": args.envs, "frames": args.frames, "rounds": args.rounds})
-    print(f"{'policy':<8} {'setup':<36} {'frames/s':>10} {'vs plain':>9}")
+    print(f"{'policy':<8} {'setup':<36} {'frames/s':>10} {'vs plain':>9} {'cores':>6}")
     for kind in args.policies.split(","):
         if kind not in ("network", "random"):
             parser.error(f"unknown policy '{kind}' (network, random)")
@@ -247,23 +277,27 @@ def main() -> None:
             setups[f"workers={count}"] = functools.partial(
                 collector_rate, "project", worker_policy, env, args.envs, share, count
             )
-        timed = {name: [0, 0.0] for name in setups}
+        timed = {name: [0, 0.0, 0.0] for name in setups}
         for _ in range(args.rounds):
             for name, measure in setups.items():
-                frames, seconds = measure()
+                frames, seconds, cpu = measure()
                 timed[name][0] += frames
                 timed[name][1] += seconds
-        rate = {name: frames / seconds for name, (frames, seconds) in timed.items()}
+                timed[name][2] = None if cpu is None or timed[name][2] is None else timed[name][2] + cpu
+        rate = {name: frames / seconds for name, (frames, seconds, _) in timed.items()}
+        busy = {name: None if cpu is None else cpu / seconds for name, (_, seconds, cpu) in timed.items()}
         plain, project, torchrl = rate["plain"], rate["project"], rate["torchrl"]
-        rows = [
-            ("plain loop", plain),
-            ("project collector", project),
-            ("torchrl Collector, default settings", torchrl),
-        ]
-        rows += [(f"project collector, {count} workers", rate[f"workers={count}"]) for count in workers[1:]]
-        for name, value in rows:
-            print(f"{kind:<8} {name:<36} {value:>10.0f} {value / plain:>9.2f}")
+        rows = {
+            "plain": "plain loop",
+            "project": "project collector",
+            "torchrl": "torchrl Collector, default settings",
+        }
+        rows.update({f"workers={count}": f"project collector, {count} workers" for count in workers[1:]})
+        for name, label in rows.items():
+            used = f"{busy[name]:>6.2f}" if busy[name] is not None else f"{'':>6}"
+            print(f"{kind:<8} {label:<36} {rate[name]:>10.0f} {rate[name] / plain:>9.2f} {used}")
         rates = {"plain_fps": plain, "collector_fps": project, "torchrl_collector_fps": torchrl}
+        rates["cores"] = {label: busy[name] for name, label in rows.items()}
         if len(workers) > 1:
             by_count = {count: rate[f"workers={count}"] if count > 1 else project for count in workers}
             rates["workers_fps"] = by_count
