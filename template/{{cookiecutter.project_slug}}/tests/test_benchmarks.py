@@ -29,11 +29,13 @@ def test_collection_benchmark_prints_a_table_and_a_json_line():
     assert figures["benchmark"] == "collection"
     assert figures["plain_fps"] > 0 and figures["collector_fps"] > 0 and figures["torchrl_collector_fps"] > 0
     assert figures["workers_speedup"]["1"] == 1 and figures["workers_speedup"]["2"] > 0
-    # This process's CPU time, and on Linux (/proc) the workers': a collector keeps a core
-    # busy, and no setup uses more cores than the machine has.
+    # This process's CPU time, and on Linux (/proc) the workers'. CPU time a frame (cores over
+    # frames/s) hardly depends on the machine's load: the workers spend at least about what
+    # one process spends on a frame, where this process alone spends little.
     used = figures["cores"]
-    assert used["project collector"] > 0.5 and used["project collector, 2 workers"] > 0.5
-    assert max(used.values()) < os.cpu_count() + 0.2
+    one_process = used["project collector"] / figures["collector_fps"]
+    assert used["project collector, 2 workers"] / figures["workers_fps"]["2"] > 0.5 * one_process
+    assert 0 < min(used.values()) and max(used.values()) < os.cpu_count() + 0.2
     assert "project collector, 2 workers" in result.stdout
 
 
