@@ -92,6 +92,13 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     return process.returncode, stderr, time.monotonic() - started
 
 
+def failed_within_60_s(process: subprocess.Popen) -> str:
+    """The standard error of a run that a fault must end, with an error, within 60 s."""
+    code, stderr, seconds = finish(process, timeout=90)
+    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
+    return stderr
+
+
 def parent_of(pid: int) -> int:
     return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -138,8 +145,7 @@ def test_a_killed_rank_stops_every_other_rank_within_60_s(tmp_path, victim):
     assert len(collectors) == (2 if mode == "async" else 0)
     os.kill(ranks[victim], signal.SIGKILL)
 
-    code, stderr, seconds = finish(process, timeout=90)
-    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
+    stderr = failed_within_60_s(process)
     role = Topology.plan(DEVICES, victim, 1, uses_replay=REPLAY_RECIPE is not None).role
     survivors = [rank for rank in ranks if rank != victim]
     for rank in survivors:
@@ -180,8 +186,7 @@ def test_an_async_collector_that_dies_or_hangs_stops_the_run(tmp_path, fault):
         (collector,) = collector_processes(learner)
     os.kill(collector, signal.SIGSTOP if fault == "hangs" else signal.SIGKILL)
 
-    code, stderr, seconds = finish(process, timeout=90)
-    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
+    stderr = failed_within_60_s(process)
     died = "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
     died += "CartPole-v1, died "
     killed = died + "(killed by SIGKILL)"
@@ -214,8 +219,7 @@ def test_a_collector_worker_that_dies_stops_the_run_naming_it(tmp_path, mode):
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGKILL)
 
-    code, stderr, seconds = finish(process, timeout=90)
-    assert code != 0 and seconds < 60, f"exit code {code} after {seconds:.0f} s:\n{stderr[-3000:]}"
+    stderr = failed_within_60_s(process)
     reason = "rank 1 (learner) failed: the collector process of rank 1 (learner), collecting from "
     reason += "CartPole-v1, died (worker 1 of 2: killed by SIGKILL)"
     for rank in LEARNERS:
